@@ -1,0 +1,170 @@
+"""Command line: `ckptfs mount|unmount`. Errors are one line on stderr, never a traceback.
+
+Exit status: 0 success, 1 failure, 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ckptfs.config import OPTION_KEYS, Config, coerce, load_config_file
+from ckptfs.errors import CkptfsError, ConfigError, MountError
+
+PROG = "ckptfs"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other usage error
+        sys.stderr.write(f"{self.prog}: {message}\n")
+        sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Mount an S3 prefix as a directory for training checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    m = sub.add_parser("mount", help="mount s3://BUCKET[/PREFIX] at MOUNTPOINT")
+    m.add_argument("source", nargs="?", help="s3://BUCKET[/PREFIX]")
+    m.add_argument("mountpoint", nargs="?")
+    m.add_argument("--cache-dir", help="local staging and cache directory (NVMe)")
+    m.add_argument("--endpoint-url", help="S3 endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
+    m.add_argument("--region")
+    m.add_argument("--profile", help="AWS profile name")
+    m.add_argument("--part-size", help="multipart part size, e.g. 16MiB (it grows along huge files)")
+    m.add_argument("--concurrency", help="parts or ranges in flight at once")
+    m.add_argument("--cache-size", help="local copies of written files kept for reads, e.g. 8GiB")
+    m.add_argument("--foreground", action="store_const", const=True, help="stay attached (for systemd)")
+    m.add_argument("--allow-other", action="store_const", const=True, help="let other users access the mount")
+    m.add_argument("--read-only", action="store_const", const=True)
+    m.add_argument("--log-level", help="debug, info, warning or error")
+    m.add_argument("--config", help="TOML file of these options (underscored names)")
+
+    u = sub.add_parser("unmount", help="finish uploads and unmount")
+    u.add_argument("mountpoint")
+    u.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the daemon")
+    return p
+
+
+def _mount_config(args: argparse.Namespace) -> Config:
+    values: dict[str, object] = {}
+    if args.config:
+        values.update(load_config_file(args.config))
+    for key in OPTION_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            values[key] = coerce(key, value)
+    if "source" not in values:
+        raise ConfigError("mount needs a source s3://BUCKET[/PREFIX]")
+    if "mountpoint" not in values:
+        raise ConfigError("mount needs a mount point")
+    return Config(**values).validate()  # type: ignore[arg-type]
+
+
+def _mount(config: Config) -> int:
+    from ckptfs import daemon
+
+    if config.foreground:
+        daemon.setup_logging(config.log_level)
+        try:
+            return daemon.run(config, notify=lambda message: None)
+        except MountError as exc:
+            sys.stderr.write(f"{PROG}: {exc}\n")
+            return 1
+    return _spawn_daemon(config)
+
+
+def _spawn_daemon(config: Config) -> int:
+    """Start the daemon in the background; return once the mount is live, or say why not."""
+    read_fd, write_fd = os.pipe()
+    log_path = os.path.join(config.cache_dir, "ckptfs.log")
+    try:
+        os.makedirs(config.cache_dir, mode=0o700, exist_ok=True)
+        log_file = open(log_path, "ab")
+    except OSError as exc:
+        os.close(read_fd)
+        os.close(write_fd)
+        sys.stderr.write(f"{PROG}: cache dir {config.cache_dir} is not writable: {exc.strerror}\n")
+        return 1
+    env = dict(os.environ, CKPTFS_READY_FD=str(write_fd))
+    with log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptfs.daemon"], stdin=subprocess.PIPE, stdout=log_file,
+            stderr=log_file, pass_fds=(write_fd,), env=env, start_new_session=True, cwd="/")
+    os.close(write_fd)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(dataclasses.asdict(config)).encode())
+    proc.stdin.close()
+    with os.fdopen(read_fd, "rb") as ready:
+        line = ready.readline().decode().strip()
+    if line == "READY":
+        return 0
+    if line.startswith("ERROR "):
+        sys.stderr.write(f"{PROG}: {line[len('ERROR '):]}\n")
+    else:
+        proc.wait()
+        sys.stderr.write(f"{PROG}: the daemon exited with status {proc.returncode}; see {log_path}\n")
+    return 1
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped by its parent) has finished."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _unmount(mountpoint: str, timeout: float) -> int:
+    from ckptfs import daemon
+
+    mountpoint = os.path.abspath(mountpoint)
+    if not daemon.is_mounted(mountpoint):
+        raise MountError(f"{mountpoint} is not mounted")
+    pid = None
+    try:
+        with open(daemon.state_path(mountpoint)) as f:
+            pid = int(json.load(f)["pid"])
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError, KeyError):
+        pid = None
+    if pid is None:  # no daemon of ours answers: let the kernel go
+        result = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise MountError(f"cannot unmount {mountpoint}: {result.stderr.strip()}")
+        return 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    else:
+        raise MountError(f"the daemon of {mountpoint} (pid {pid}) did not finish within {timeout:.0f}s")
+    if daemon.is_mounted(mountpoint):
+        raise MountError(f"{mountpoint} is still mounted")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "mount":
+            return _mount(_mount_config(args))
+        if args.command == "unmount":
+            return _unmount(args.mountpoint, args.timeout)
+    except ConfigError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return 2
+    except CkptfsError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2

@@ -1,0 +1,148 @@
+"""Mount configuration: one frozen dataclass, validated at the edge.
+
+Sizes are bytes here; human units ("64MiB") are parsed only by `parse_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptfs.errors import ConfigError
+from ckptfs.parts import MAX_PART_SIZE, MIN_PART_SIZE, GiB, MiB
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# Bucket names as S3 allows them (the dotted, 3-63 character form).
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `64MiB`, `1GiB`, `1.5GiB`, or a plain integer."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"invalid size {text!r}: use bytes or a unit like 64MiB, 1GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """(bucket, prefix) from s3://bucket[/prefix]; the prefix is '' or ends with '/'."""
+    if not isinstance(uri, str) or not uri.startswith("s3://"):
+        raise ConfigError(f"invalid source {uri!r}: expected s3://BUCKET[/PREFIX]")
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    if not _BUCKET_RE.match(bucket):
+        raise ConfigError(f"invalid bucket name {bucket!r} in {uri!r}")
+    parts = [p for p in prefix.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise ConfigError(f"invalid prefix in {uri!r}: '.' and '..' are not allowed")
+    prefix = "/".join(parts)
+    return bucket, (prefix + "/" if prefix else "")
+
+
+def default_cache_dir(mountpoint: str) -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or (
+        "/var/cache" if os.geteuid() == 0 else os.path.expanduser("~/.cache"))
+    name = os.path.abspath(mountpoint).strip("/").replace("/", "-") or "root"
+    return os.path.join(base, "ckptfs", name)
+
+
+@dataclass(frozen=True)
+class Config:
+    source: str
+    mountpoint: str
+    cache_dir: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    part_size: int = 16 * MiB
+    concurrency: int = 16
+    cache_size: int = 8 * GiB
+    foreground: bool = False
+    allow_other: bool = False
+    read_only: bool = False
+    log_level: str = "info"
+    # Not options yet: how long S3 answers about names stay trusted.
+    metadata_ttl: float = 1.0
+
+    @property
+    def bucket(self) -> str:
+        return parse_s3_uri(self.source)[0]
+
+    @property
+    def prefix(self) -> str:
+        return parse_s3_uri(self.source)[1]
+
+    def validate(self) -> Config:
+        """Return a normalised copy, or raise ConfigError with a one-line reason."""
+        parse_s3_uri(self.source)
+        if not self.mountpoint:
+            raise ConfigError("no mount point given")
+        if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
+            raise ConfigError("--part-size must be between 5MiB and 5GiB")
+        if not 1 <= self.concurrency <= 256:
+            raise ConfigError("--concurrency must be between 1 and 256")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        mountpoint = os.path.abspath(self.mountpoint)
+        cache_dir = os.path.abspath(self.cache_dir or default_cache_dir(mountpoint))
+        endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        return dataclasses.replace(self, mountpoint=mountpoint, cache_dir=cache_dir,
+                                   endpoint_url=endpoint, log_level=self.log_level.lower())
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+OPTION_KEYS = tuple(k for k in _FIELDS if k != "metadata_ttl")
+_SIZE_KEYS = {"part_size", "cache_size"}
+_BOOL_KEYS = {"foreground", "allow_other", "read_only"}
+_INT_KEYS = {"concurrency"}
+
+
+def coerce(key: str, value: object) -> object:
+    """Convert a config-file or CLI value to the field's type."""
+    if key in _SIZE_KEYS:
+        return parse_size(value)  # type: ignore[arg-type]
+    if key in _BOOL_KEYS:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key!r} must be true or false")
+        return value
+    if key in _INT_KEYS:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"config key {key!r} must be an integer")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"config key {key!r} must be an integer") from None
+    if not isinstance(value, str):
+        raise ConfigError(f"config key {key!r} must be a string")
+    return value
+
+
+def load_config_file(path: str) -> dict[str, object]:
+    """Keys of a TOML config file, checked against the option names."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    out: dict[str, object] = {}
+    for key, value in data.items():
+        if key not in OPTION_KEYS:
+            raise ConfigError(f"unknown key {key!r} in config file {path}")
+        out[key] = coerce(key, value)
+    return out

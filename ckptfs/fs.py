@@ -1,0 +1,671 @@
+"""pyfuse3.Operations: unpack arguments, call components, map errors to errno.
+
+Every handler runs under `_guarded`, so an unexpected exception becomes EIO
+(and a log line) instead of taking the whole mount down.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+
+from ckptfs.errors import CkptfsError, NoSuchKey, UploadError
+from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
+from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace, object_metadata
+from ckptfs.prefetch import ChunkReader, ReadStream
+from ckptfs.s3 import S3Client
+from ckptfs.staging import LocalCopies, StagingArea
+from ckptfs.uploader import Uploader
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+_DOWNLOAD_CHUNK = 16 * 1024 * 1024
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _guarded(fn: F) -> F:
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            try:
+                return await fn(*args, **kwargs)
+            except ExceptionGroup as group:  # from a nursery: report its first failure
+                raise _first_leaf(group) from None
+        except pyfuse3.FUSEError:
+            raise
+        except CkptfsError as exc:
+            log.warning("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except OSError as exc:
+            log.warning("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("unexpected error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return wrapper  # type: ignore[return-value]
+
+
+def _fail(code: int) -> pyfuse3.FUSEError:
+    return pyfuse3.FUSEError(code)
+
+
+@dataclass(eq=False)
+class Handle:
+    inode: Inode
+    writable: bool
+    stream: ReadStream = field(default_factory=ReadStream)
+
+
+@dataclass(eq=False)
+class DirHandle:
+    inode: Inode
+    entries: list[Inode] | None = None
+
+
+class CheckpointFS(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = True
+
+    def __init__(self, *, s3: S3Client, prefix: str, staging: StagingArea, uploader: Uploader,
+                 reader: ChunkReader, uid: int, gid: int, read_only: bool, metadata_ttl: float,
+                 local_copy_budget: int) -> None:
+        super().__init__()
+        self.s3 = s3
+        self.table = InodeTable(prefix, uid, gid)
+        self.ns = Namespace(s3, self.table, uid, gid, metadata_ttl)
+        self.staging = staging
+        self.uploader = uploader
+        self.reader = reader
+        self.read_only = read_only
+        self.ttl = metadata_ttl
+        self.local_copies = LocalCopies(local_copy_budget)
+        self.draining = False
+        self._handles: dict[int, Handle | DirHandle] = {}
+        self._next_fh = 1
+
+    # ----- helpers -------------------------------------------------------
+
+    def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = inode.ino
+        a.generation = 0
+        a.entry_timeout = self.ttl
+        a.attr_timeout = self.ttl
+        a.st_mode = inode.mode
+        a.st_nlink = 2 if inode.is_dir else 1
+        a.st_uid = inode.uid
+        a.st_gid = inode.gid
+        a.st_rdev = 0
+        a.st_size = len(inode.symlink_target) if inode.symlink_target is not None else inode.size
+        a.st_blksize = 1 << 20
+        a.st_blocks = (a.st_size + 511) // 512
+        a.st_atime_ns = inode.atime_ns
+        a.st_mtime_ns = inode.mtime_ns
+        a.st_ctime_ns = inode.ctime_ns
+        return a
+
+    def _inode(self, ino: int) -> Inode:
+        inode = self.table.get(ino)
+        if inode is None:
+            raise _fail(errno.ENOENT)
+        return inode
+
+    def _new_fh(self, handle: Handle | DirHandle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = handle
+        return fh
+
+    def _file_handle(self, fh: int) -> Handle:
+        handle = self._handles.get(fh)
+        if not isinstance(handle, Handle):
+            raise _fail(errno.EBADF)
+        return handle
+
+    def _check_writable(self) -> None:
+        if self.read_only or self.draining:
+            raise _fail(errno.EROFS)
+
+    def _name(self, parent: Inode, raw: bytes) -> str:
+        """A child name checked against POSIX and S3 key limits."""
+        name = os.fsdecode(raw)
+        if len(raw) > NAME_MAX:
+            raise _fail(errno.ENAMETOOLONG)
+        key = self.table.key_of(parent) + name
+        if len((key + "/").encode("utf-8", "surrogateescape")) > KEY_MAX:
+            raise _fail(errno.ENAMETOOLONG)
+        return name
+
+    async def _child(self, parent_ino: int, raw: bytes) -> tuple[Inode, str, Inode | None]:
+        parent = self._inode(parent_ino)
+        if not parent.is_dir:
+            raise _fail(errno.ENOTDIR)
+        name = self._name(parent, raw)
+        return parent, name, await self.ns.lookup(parent, name)
+
+    async def _ensure_staged(self, inode: Inode, truncate: bool) -> None:
+        """Give `inode` a staged file holding its whole content (or none, if truncating)."""
+        if inode.staged is not None:
+            self.local_copies.discard(inode.ino)
+            if truncate:
+                inode.staged.truncate(0)
+            return
+        staged = self.staging.new_file()
+        try:
+            if not truncate and inode.etag is not None and inode.size > 0:
+                await self.s3.download_to(self.table.key_of(inode), staged.fd, inode.size,
+                                          _DOWNLOAD_CHUNK, inode.etag)
+        except BaseException:
+            staged.remove()
+            raise
+        inode.staged = staged
+
+    def _changed(self, inode: Inode) -> None:
+        inode.dirty = True
+        inode.generation += 1
+        inode.touch()
+
+    def _drop_local_copy(self, inode: Inode) -> None:
+        if inode.staged is not None and not inode.is_local and inode.open_handles == 0:
+            inode.staged.remove()
+            inode.staged = None
+        self.local_copies.discard(inode.ino)
+
+    def _keep_local_copy(self, inode: Inode) -> None:
+        assert inode.staged is not None
+        inode.staged.close()
+        for victim in self.local_copies.keep(inode.ino, inode.size):
+            other = self.table.get(victim)
+            if other is not None:
+                self._drop_local_copy(other)
+
+    async def commit(self, inode: Inode) -> None:
+        """Make the inode's staged bytes the object in S3; returns when it is complete and verified."""
+        if inode.unlinked or not inode.dirty:
+            return
+        async with inode.upload_lock:
+            if inode.unlinked or not inode.dirty or inode.staged is None:
+                return
+            generation = inode.generation
+            key = self.table.key_of(inode)
+            try:
+                result = await self.uploader.upload(inode.staged.fd, key, inode.size,
+                                                    object_metadata(inode))
+            except UploadError as exc:
+                log.error("upload of %s failed, staged copy kept at %s: %s",
+                          key, inode.staged.path, exc)
+                raise _fail(errno.EIO) from None
+            inode.etag = inode.page_etag = result.etag
+            inode.meta_known = True
+            inode.validated_at = time.monotonic()
+            if inode.generation == generation:
+                inode.dirty = False
+            log.debug("uploaded %s (%d bytes, %d parts)", key, inode.size, result.parts)
+
+    async def _persist_metadata(self, inode: Inode) -> None:
+        """Write changed mode/owner/mtime of a clean object back to S3."""
+        if inode.is_local or inode.ino == ROOT_INODE:
+            return
+        key = self.table.key_of(inode)
+        if inode.is_dir:
+            await self.s3.put(key, b"", object_metadata(inode))
+            return
+        if inode.etag is None:
+            return
+        async with inode.upload_lock:
+            inode.etag = await self.s3.copy(key, key, inode.size, object_metadata(inode))
+            inode.validated_at = time.monotonic()
+
+    # ----- names ---------------------------------------------------------
+
+    @_guarded
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        _, _, child = await self._child(parent_inode, name)
+        if child is None:
+            raise _fail(errno.ENOENT)
+        child.lookups += 1
+        return self._attrs(child)
+
+    @_guarded
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, count in inode_list:
+            self.table.forget(ino, count)
+
+    @_guarded
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self._inode(inode)
+        if (not node.is_dir and not node.is_local and node.etag is not None
+                and not (node.meta_known and self.ns.fresh(node.validated_at))):
+            try:
+                self.ns.apply_object(node, await self.s3.head(self.table.key_of(node)), True)
+            except NoSuchKey:
+                pass  # removed behind our back; the next lookup finds out
+        return self._attrs(node)
+
+    @_guarded
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self._inode(inode)
+        meta_changed = False
+        if fields.update_size:
+            self._check_writable()
+            if node.is_dir:
+                raise _fail(errno.EISDIR)
+            await self._ensure_staged(node, truncate=attr.st_size == 0)
+            assert node.staged is not None
+            node.staged.truncate(attr.st_size)
+            node.size = attr.st_size
+            self._changed(node)
+        if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_mtime:
+            if self.read_only:
+                raise _fail(errno.EROFS)
+        if fields.update_mode:
+            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
+            meta_changed = True
+        if fields.update_uid:
+            node.uid = attr.st_uid
+            meta_changed = True
+        if fields.update_gid:
+            node.gid = attr.st_gid
+            meta_changed = True
+        if fields.update_mtime:
+            node.mtime_ns = attr.st_mtime_ns
+            meta_changed = True
+        if fields.update_atime:
+            node.atime_ns = attr.st_atime_ns
+        if meta_changed:
+            node.ctime_ns = time.time_ns()
+            await self._persist_metadata(node)
+        if fields.update_size and node.writers == 0:
+            await self.commit(node)  # truncate(2) by path: no close() will follow
+        return self._attrs(node)
+
+    @_guarded
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self._inode(inode)
+        if not node.is_symlink:
+            raise _fail(errno.EINVAL)
+        if node.symlink_target is None:
+            node.symlink_target = await self.s3.get_range(self.table.key_of(node), 0, node.size)
+        return node.symlink_target
+
+    @_guarded
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._check_writable()
+        parent, child_name, existing = await self._child(parent_inode, name)
+        if existing is not None:
+            raise _fail(errno.EEXIST)
+        now = time.time_ns()
+        node = self.table.add(parent.ino, child_name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
+                              mtime_ns=now, ctime_ns=now, atime_ns=now, meta_known=True)
+        node.symlink_target = target
+        node.size = len(target)
+        try:
+            node.etag = await self.s3.put(self.table.key_of(node), target, object_metadata(node))
+        except BaseException:
+            self.table.detach(node)
+            raise
+        node.validated_at = time.monotonic()
+        node.lookups += 1
+        return self._attrs(node)
+
+    @_guarded
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._check_writable()
+        parent, child_name, existing = await self._child(parent_inode, name)
+        if existing is not None:
+            raise _fail(errno.EEXIST)
+        now = time.time_ns()
+        node = self.table.add(parent.ino, child_name, stat.S_IFDIR | (stat.S_IMODE(mode) & ~ctx.umask),
+                              ctx.uid, ctx.gid, mtime_ns=now, ctime_ns=now, atime_ns=now,
+                              meta_known=True)
+        try:
+            await self.s3.put(self.table.key_of(node), b"", object_metadata(node))
+        except BaseException:
+            self.table.detach(node)
+            raise
+        node.validated_at = time.monotonic()
+        parent.touch()
+        node.lookups += 1
+        return self._attrs(node)
+
+    async def _dir_is_empty(self, node: Inode) -> bool:
+        if any(not c.unlinked and c.is_local for c in self.table.children(node.ino)):
+            return False
+        return not await self.s3.has_children(self.table.key_of(node))
+
+    @_guarded
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        parent, _, node = await self._child(parent_inode, name)
+        if node is None:
+            raise _fail(errno.ENOENT)
+        if not node.is_dir:
+            raise _fail(errno.ENOTDIR)
+        if not await self._dir_is_empty(node):
+            raise _fail(errno.ENOTEMPTY)
+        await self.s3.delete(self.table.key_of(node))
+        self.table.detach(node)
+        self.ns.invalidate_listing(node.ino)
+        parent.touch()
+
+    @_guarded
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        parent, _, node = await self._child(parent_inode, name)
+        if node is None:
+            raise _fail(errno.ENOENT)
+        if node.is_dir:
+            raise _fail(errno.EISDIR)
+        async with node.upload_lock:
+            if node.etag is not None:
+                await self.s3.delete(self.table.key_of(node))
+            node.dirty = False
+            self.table.detach(node)
+        self.local_copies.discard(node.ino)
+        if node.open_handles == 0 and node.staged is not None:
+            node.staged.remove()
+            node.staged = None
+        parent.touch()
+
+    @_guarded
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise _fail(errno.EINVAL)
+        old_parent, _, src = await self._child(parent_inode_old, name_old)
+        new_parent, new_name, dst = await self._child(parent_inode_new, name_new)
+        if src is None:
+            raise _fail(errno.ENOENT)
+        if dst is src:
+            return
+        if dst is not None:
+            if flags & pyfuse3.RENAME_NOREPLACE:
+                raise _fail(errno.EEXIST)
+            if src.is_dir and not dst.is_dir:
+                raise _fail(errno.ENOTDIR)
+            if not src.is_dir and dst.is_dir:
+                raise _fail(errno.EISDIR)
+            if dst.is_dir and not await self._dir_is_empty(dst):
+                raise _fail(errno.ENOTEMPTY)
+        if src.is_dir and self.table.is_ancestor(src, new_parent):
+            raise _fail(errno.EINVAL)
+        new_key = self.table.key_of(new_parent) + new_name
+        if src.is_dir:
+            await self._rename_dir(src, new_key + "/")
+        else:
+            await self._rename_object(src, new_key, dst)
+        if dst is not None:
+            if dst.is_dir:
+                await self.s3.delete(self.table.key_of(dst))
+            self.table.detach(dst)
+            if dst.open_handles == 0 and dst.staged is not None:
+                dst.staged.remove()
+                dst.staged = None
+        self.table.move(src, new_parent.ino, new_name)
+        src.ctime_ns = time.time_ns()
+        old_parent.touch()
+        new_parent.touch()
+
+    async def _rename_object(self, src: Inode, new_key: str, dst: Inode | None) -> None:
+        async with src.upload_lock:
+            old_key = self.table.key_of(src)
+            if src.etag is not None:
+                src.etag = await self.s3.copy(old_key, new_key, src.size)
+                await self.s3.delete(old_key)
+            elif dst is not None and dst.etag is not None:
+                # The new name must not keep showing the replaced object until src's upload.
+                await self.s3.delete(new_key)
+
+    async def _rename_dir(self, src: Inode, new_prefix: str) -> None:
+        """Copy every object under the directory to its new name, then delete the old ones."""
+        old_prefix = self.table.key_of(src)
+        objects = await self.s3.list_keys(old_prefix)
+        new_etags: dict[str, str] = {}
+
+        async def move_one(key: str, size: int) -> None:
+            rest = key[len(old_prefix):]
+            if key.endswith("/"):  # a directory marker: some stores cannot copy those
+                info = await self.s3.head(key)
+                await self.s3.put(new_prefix + rest, b"", info.metadata)
+            else:
+                new_etags[rest] = await self.s3.copy(key, new_prefix + rest, size)
+
+        async with trio.open_nursery() as nursery:
+            for obj in objects:
+                nursery.start_soon(move_one, obj.key, obj.size)
+        if old_prefix not in {o.key for o in objects}:
+            await self.s3.put(new_prefix, b"", object_metadata(src))  # keep even an empty implicit dir
+        await self.s3.delete_many([o.key for o in objects])
+        # Stores with real folders (SeaweedFS) keep emptied folders; delete them deepest first.
+        folders = {old_prefix}
+        for obj in objects:
+            parts = obj.key[len(old_prefix):].split("/")[:-1]
+            for depth in range(1, len(parts) + 1):
+                folders.add(old_prefix + "/".join(parts[:depth]) + "/")
+        for folder in sorted(folders, key=lambda f: f.count("/"), reverse=True):
+            try:
+                await self.s3.delete(folder)
+            except CkptfsError:
+                pass
+        self._refresh_etags(src, "", new_etags)
+
+    def _refresh_etags(self, directory: Inode, rel: str, etags: dict[str, str]) -> None:
+        for child in self.table.children(directory.ino):
+            path = rel + child.name
+            if child.is_dir:
+                self._refresh_etags(child, path + "/", etags)
+            elif path in etags and child.etag is not None:
+                child.etag = etags[path]
+
+    @_guarded
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        raise _fail(errno.EPERM)
+
+    @_guarded
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        raise _fail(errno.EPERM)
+
+    # ----- directories ---------------------------------------------------
+
+    @_guarded
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = self._inode(inode)
+        if not node.is_dir:
+            raise _fail(errno.ENOTDIR)
+        return self._new_fh(DirHandle(node))
+
+    @_guarded
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        handle = self._handles.get(fh)
+        if not isinstance(handle, DirHandle):
+            raise _fail(errno.EBADF)
+        if handle.entries is None or start_id == 0:
+            handle.entries = await self.ns.list_dir(handle.inode)
+        for index in range(start_id, len(handle.entries)):
+            child = handle.entries[index]
+            if not pyfuse3.readdir_reply(token, os.fsencode(child.name), self._attrs(child), index + 1):
+                return
+            child.lookups += 1
+
+    @_guarded
+    async def releasedir(self, fh: int) -> None:
+        self._handles.pop(fh, None)
+
+    @_guarded
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        return None  # directory changes are made in S3 synchronously
+
+    # ----- files ---------------------------------------------------------
+
+    @_guarded
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self._check_writable()
+        parent, child_name, existing = await self._child(parent_inode, name)
+        if existing is not None and existing.is_dir:
+            raise _fail(errno.EISDIR)
+        if existing is not None and flags & os.O_EXCL:
+            raise _fail(errno.EEXIST)
+        if existing is not None:
+            node = existing
+            node.writers += 1
+            node.open_handles += 1
+            try:
+                await self._ensure_staged(node, truncate=bool(flags & os.O_TRUNC))
+            except BaseException:
+                node.writers -= 1
+                node.open_handles -= 1
+                raise
+            if flags & os.O_TRUNC:
+                node.size = 0
+                self._changed(node)
+        else:
+            now = time.time_ns()
+            node = self.table.add(parent.ino, child_name, stat.S_IFREG | (stat.S_IMODE(mode) & ~ctx.umask),
+                                  ctx.uid, ctx.gid, mtime_ns=now, ctime_ns=now, atime_ns=now,
+                                  meta_known=True)
+            node.staged = self.staging.new_file()
+            node.writers += 1
+            node.open_handles += 1
+            self._changed(node)
+            parent.touch()
+        node.lookups += 1
+        fh = self._new_fh(Handle(node, writable=True))
+        return pyfuse3.FileInfo(fh=fh), self._attrs(node)
+
+    @_guarded
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self._inode(inode)
+        if node.is_dir:
+            raise _fail(errno.EISDIR)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if writable or flags & os.O_TRUNC:
+            self._check_writable()
+            node.writers += 1
+        node.open_handles += 1
+        try:
+            if writable:
+                await self._ensure_staged(node, truncate=bool(flags & os.O_TRUNC))
+                if flags & os.O_TRUNC:
+                    node.size = 0
+                    self._changed(node)
+        except BaseException:
+            node.open_handles -= 1
+            node.writers -= writable
+            raise
+        if node.staged is not None:
+            self.local_copies.touch(node.ino)
+        # The kernel's page cache stays valid while the object is the version it cached.
+        keep_cache = node.is_local or node.page_etag == node.etag
+        node.page_etag = node.etag
+        return pyfuse3.FileInfo(fh=self._new_fh(Handle(node, writable)), keep_cache=keep_cache)
+
+    @_guarded
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._file_handle(fh)
+        node = handle.inode
+        if node.staged is not None:
+            return node.staged.pread(size, off)
+        if node.etag is None or off >= node.size:
+            return b""
+        return await self.reader.read(self.table.key_of(node), node.etag, node.size, off, size,
+                                      handle.stream)
+
+    @_guarded
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        node = self._file_handle(fh).inode
+        if node.staged is None:
+            raise _fail(errno.EBADF)
+        written = node.staged.pwrite(buf, off)
+        if off + written > node.size:
+            node.size = off + written
+        self._changed(node)
+        return written
+
+    @_guarded
+    async def flush(self, fh: int) -> None:
+        handle = self._file_handle(fh)
+        if handle.writable:
+            await self.commit(handle.inode)
+
+    @_guarded
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.commit(self._file_handle(fh).inode)
+
+    @_guarded
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if not isinstance(handle, Handle):
+            return
+        node = handle.inode
+        node.open_handles -= 1
+        if handle.writable:
+            node.writers -= 1
+        if node.open_handles > 0:
+            return
+        if node.unlinked:
+            if node.staged is not None:
+                node.staged.remove()
+                node.staged = None
+        elif node.staged is not None and not node.is_local:
+            self._keep_local_copy(node)
+        elif node.staged is not None and node.dirty:
+            # The upload failed (flush reported EIO); keep every byte for a later retry.
+            node.staged.close()
+        self.table.forget(node.ino, 0)
+
+    # ----- extended attributes and statfs --------------------------------
+
+    @_guarded
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        raise _fail(pyfuse3.ENOATTR)
+
+    @_guarded
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return []
+
+    @_guarded
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise _fail(errno.ENOTSUP)
+
+    @_guarded
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise _fail(pyfuse3.ENOATTR)
+
+    @_guarded
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        # What can be written at once is bounded by the staging disk, so report its space.
+        st = os.statvfs(self.staging.dir)
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = st.f_bsize
+        out.f_frsize = st.f_frsize
+        out.f_blocks = st.f_blocks
+        out.f_bfree = st.f_bfree
+        out.f_bavail = st.f_bavail
+        out.f_files = 1 << 32
+        out.f_ffree = 1 << 32
+        out.f_favail = 1 << 32
+        out.f_namemax = NAME_MAX
+        return out

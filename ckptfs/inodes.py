@@ -1,0 +1,175 @@
+"""The inode table: inode numbers, names, attributes and kernel lookup counts.
+
+A path is never stored: each inode knows its parent and its name, so renaming
+a directory re-homes everything under it in O(1) and a key is derived when it
+is needed (`key_of`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import stat
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from ckptfs.staging import StagedFile
+
+ROOT_INODE = 1
+
+
+@dataclass(eq=False)
+class Inode:
+    ino: int
+    parent: int
+    name: str
+    mode: int  # full st_mode: type bits and permissions
+    uid: int
+    gid: int
+    size: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    atime_ns: int = 0
+    # The ETag of this file's object in S3; None if no object exists (yet).
+    etag: str | None = None
+    page_etag: str | None = None  # the version the kernel's page cache holds
+    # True once mode/uid/gid/mtime came from the object's own metadata (HEAD),
+    # not defaults derived from a LIST entry.
+    meta_known: bool = False
+    staged: StagedFile | None = None
+    dirty: bool = False
+    generation: int = 0  # bumped by every change to the staged bytes
+    symlink_target: bytes | None = None
+    lookups: int = 0
+    open_handles: int = 0
+    writers: int = 0
+    unlinked: bool = False
+    validated_at: float = 0.0  # time.monotonic() of the last S3 confirmation
+    upload_lock: trio.Lock = field(default_factory=trio.Lock)
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return stat.S_ISLNK(self.mode)
+
+    @property
+    def is_local(self) -> bool:
+        """The mount's own state is authoritative: S3 must not overrule it."""
+        return self.dirty or self.writers > 0 or (self.staged is not None and self.etag is None)
+
+    def touch(self, mtime: bool = True) -> None:
+        now = time.time_ns()
+        self.ctime_ns = now
+        if mtime:
+            self.mtime_ns = now
+
+
+class InodeTable:
+    def __init__(self, prefix: str, uid: int, gid: int) -> None:
+        self.prefix = prefix
+        self._by_ino: dict[int, Inode] = {}
+        self._children: dict[int, dict[str, int]] = {}
+        self._next = itertools.count(ROOT_INODE + 1)
+        now = time.time_ns()
+        root = Inode(ROOT_INODE, ROOT_INODE, "", stat.S_IFDIR | 0o755, uid, gid,
+                     mtime_ns=now, ctime_ns=now, atime_ns=now, meta_known=True)
+        root.lookups = 1 << 62  # the kernel never forgets the root
+        self._by_ino[ROOT_INODE] = root
+        self._children[ROOT_INODE] = {}
+
+    def __getitem__(self, ino: int) -> Inode:
+        return self._by_ino[ino]
+
+    def get(self, ino: int) -> Inode | None:
+        return self._by_ino.get(ino)
+
+    def child(self, parent: int, name: str) -> Inode | None:
+        ino = self._children.get(parent, {}).get(name)
+        return None if ino is None else self._by_ino[ino]
+
+    def children(self, parent: int) -> list[Inode]:
+        return [self._by_ino[i] for i in self._children.get(parent, {}).values()]
+
+    def add(self, parent: int, name: str, mode: int, uid: int, gid: int, **attrs: object) -> Inode:
+        """A new inode under `parent`, replacing (and detaching) any entry of that name."""
+        old = self.child(parent, name)
+        if old is not None:
+            self.detach(old)
+        inode = Inode(next(self._next), parent, name, mode, uid, gid, **attrs)  # type: ignore[arg-type]
+        self._by_ino[inode.ino] = inode
+        self._children.setdefault(parent, {})[name] = inode.ino
+        if inode.is_dir:
+            self._children.setdefault(inode.ino, {})
+        return inode
+
+    def detach(self, inode: Inode) -> None:
+        """Remove the name; the inode lives on while the kernel or a handle holds it."""
+        siblings = self._children.get(inode.parent, {})
+        if siblings.get(inode.name) == inode.ino:
+            del siblings[inode.name]
+        inode.unlinked = True
+        self._maybe_drop(inode)
+
+    def move(self, inode: Inode, new_parent: int, new_name: str) -> None:
+        siblings = self._children.get(inode.parent, {})
+        if siblings.get(inode.name) == inode.ino:
+            del siblings[inode.name]
+        inode.parent, inode.name = new_parent, new_name
+        self._children.setdefault(new_parent, {})[new_name] = inode.ino
+
+    def forget(self, ino: int, count: int) -> None:
+        inode = self._by_ino.get(ino)
+        if inode is None:
+            return
+        inode.lookups = max(0, inode.lookups - count)
+        self._maybe_drop(inode)
+
+    def _maybe_drop(self, inode: Inode) -> None:
+        """Forget an inode nobody refers to, unless it carries unsaved state."""
+        if inode.ino == ROOT_INODE or inode.lookups > 0 or inode.open_handles > 0:
+            return
+        if inode.unlinked:
+            if inode.staged is not None:
+                inode.staged.remove()
+                inode.staged = None
+        elif inode.is_local or self._children.get(inode.ino):
+            return  # still named, and the only record of a local change or of children
+        elif inode.staged is not None:
+            return  # a clean local copy: kept for reads, reclaimed by the local-copy budget
+        self._by_ino.pop(inode.ino, None)
+        self._children.pop(inode.ino, None)
+        siblings = self._children.get(inode.parent, {})
+        if siblings.get(inode.name) == inode.ino:
+            del siblings[inode.name]
+
+    def path_of(self, inode: Inode) -> str:
+        """The inode's path relative to the mount, '' for the root."""
+        names: list[str] = []
+        node = inode
+        while node.ino != ROOT_INODE:
+            names.append(node.name)
+            node = self._by_ino[node.parent]
+        return "/".join(reversed(names))
+
+    def key_of(self, inode: Inode) -> str:
+        """The S3 key: the object's key for a file, the 'dir/' marker key for a directory."""
+        path = self.path_of(inode)
+        if inode.is_dir:
+            return self.prefix + path + "/" if path else self.prefix
+        return self.prefix + path
+
+    def is_ancestor(self, maybe_ancestor: Inode, inode: Inode) -> bool:
+        node = inode
+        while True:
+            if node.ino == maybe_ancestor.ino:
+                return True
+            if node.ino == ROOT_INODE:
+                return False
+            node = self._by_ino[node.parent]
+
+    def all(self) -> list[Inode]:
+        return list(self._by_ino.values())

@@ -1,0 +1,229 @@
+"""S3 names -> directory entries: lookups, listings, and object metadata.
+
+A directory is a common prefix or a zero-byte `dir/` marker object. Keys that
+cannot be a POSIX path (empty, `.` or `..` components, components over 255
+bytes) are left out, each with one warning. Answers from S3 are trusted for
+`metadata_ttl` seconds; the mount's own changes are always authoritative.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+import time
+
+import trio
+
+from ckptfs.errors import NoSuchKey
+from ckptfs.inodes import Inode, InodeTable
+from ckptfs.s3 import ListPage, ObjectInfo, S3Client
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 255
+KEY_MAX = 1024
+
+
+def valid_name(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name and len(name.encode(
+        "utf-8", "surrogateescape")) <= NAME_MAX
+
+
+def object_metadata(inode: Inode) -> dict[str, str]:
+    """x-amz-meta-* headers, in the names s3fs-fuse uses, so both tools read each other's files."""
+    return {
+        "mode": str(inode.mode),
+        "uid": str(inode.uid),
+        "gid": str(inode.gid),
+        "mtime": f"{inode.mtime_ns // 10**9}.{inode.mtime_ns % 10**9:09d}",
+    }
+
+
+def _parse_mtime(text: str | None, default_ns: int) -> int:
+    if not text:
+        return default_ns
+    try:
+        whole, _, frac = text.partition(".")
+        return int(whole) * 10**9 + int((frac + "000000000")[:9])
+    except ValueError:
+        return default_ns
+
+
+class Namespace:
+    def __init__(self, s3: S3Client, table: InodeTable, uid: int, gid: int, ttl: float) -> None:
+        self.s3 = s3
+        self.table = table
+        self.uid = uid
+        self.gid = gid
+        self.ttl = ttl
+        self._listed: dict[int, float] = {}  # dir inode -> when its listing was taken
+        self._warned: set[str] = set()
+
+    def fresh(self, when: float) -> bool:
+        return time.monotonic() - when < self.ttl
+
+    def invalidate_listing(self, dir_ino: int) -> None:
+        self._listed.pop(dir_ino, None)
+
+    def _warn_once(self, key: str, why: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("left out of listings: %r (%s)", key, why)
+
+    def apply_object(self, inode: Inode, info: ObjectInfo, with_metadata: bool) -> None:
+        """Refresh a clean inode from an S3 object (HEAD with metadata, or a LIST entry)."""
+        if info.etag != inode.etag and inode.staged is not None:
+            inode.staged.remove()  # the local copy is of an older version
+            inode.staged = None
+        if info.etag != inode.etag:
+            inode.meta_known = False
+        mtime_default = int(info.last_modified * 10**9)
+        inode.size = info.size
+        inode.etag = info.etag
+        inode.validated_at = time.monotonic()
+        if with_metadata:
+            md = info.metadata
+            kind = stat.S_IFMT(inode.mode)
+            try:
+                mode = int(md["mode"]) if "mode" in md else None
+            except ValueError:
+                mode = None
+            if mode is not None and stat.S_IFMT(mode) in (0, kind):
+                inode.mode = kind | stat.S_IMODE(mode)
+            inode.uid = _int(md.get("uid"), self.uid)
+            inode.gid = _int(md.get("gid"), self.gid)
+            inode.mtime_ns = _parse_mtime(md.get("mtime"), mtime_default)
+            inode.meta_known = True
+        elif not inode.meta_known:
+            inode.mtime_ns = mtime_default
+        inode.ctime_ns = max(inode.ctime_ns, inode.mtime_ns)
+        inode.atime_ns = max(inode.atime_ns, inode.mtime_ns)
+
+    def _new_file(self, parent: Inode, name: str, info: ObjectInfo, with_metadata: bool) -> Inode:
+        mode = stat.S_IFREG | 0o644
+        md = info.metadata
+        if with_metadata and stat.S_ISLNK(_int(md.get("mode"), 0)):
+            mode = stat.S_IFLNK | 0o777
+        inode = self.table.add(parent.ino, name, mode, self.uid, self.gid)
+        self.apply_object(inode, info, with_metadata)
+        return inode
+
+    def _new_dir(self, parent: Inode, name: str) -> Inode:
+        now = time.time_ns()
+        inode = self.table.add(parent.ino, name, stat.S_IFDIR | 0o755, self.uid, self.gid,
+                               mtime_ns=now, ctime_ns=now, atime_ns=now)
+        inode.validated_at = time.monotonic()
+        return inode
+
+    async def lookup(self, parent: Inode, name: str) -> Inode | None:
+        """The child called `name`, asking S3 unless the table's answer is authoritative or fresh."""
+        child = self.table.child(parent.ino, name)
+        if child is not None and (child.is_local or self.fresh(child.validated_at)):
+            return child
+        listed = self._listed.get(parent.ino)
+        if listed is not None and self.fresh(listed):
+            return child  # the listing just taken answered for every name in it
+        key = self.table.key_of(parent) + name
+        head: list[ObjectInfo | None] = [None]
+        listing: list[ListPage] = []
+
+        async def do_head() -> None:
+            try:
+                head[0] = await self.s3.head(key)
+            except NoSuchKey:
+                pass
+
+        async def do_list() -> None:
+            listing.append((await self.s3.list_page(key + "/", None, delimiter="/", max_keys=1))[0])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(do_head)
+            nursery.start_soon(do_list)
+        page = listing[0]
+        if page.objects or page.prefixes:
+            if child is not None and child.is_dir:
+                child.validated_at = time.monotonic()
+                return child
+            inode = self._new_dir(parent, name)
+            if page.objects and page.objects[0].key == key + "/":
+                await self._load_dir_meta(inode, key + "/")
+            return inode
+        info = head[0]
+        if info is None:
+            if child is not None:
+                self.table.detach(child)
+            return None
+        if child is not None and not child.is_dir:
+            self.apply_object(child, info, with_metadata=True)
+            return child
+        return self._new_file(parent, name, info, with_metadata=True)
+
+    async def _load_dir_meta(self, inode: Inode, marker: str) -> None:
+        try:
+            info = await self.s3.head(marker)
+        except NoSuchKey:
+            return
+        md = info.metadata
+        inode.mode = stat.S_IFDIR | stat.S_IMODE(_int(md.get("mode"), 0o755))
+        inode.uid = _int(md.get("uid"), self.uid)
+        inode.gid = _int(md.get("gid"), self.gid)
+        inode.mtime_ns = _parse_mtime(md.get("mtime"), inode.mtime_ns)
+        inode.meta_known = True
+
+    async def list_dir(self, directory: Inode) -> list[Inode]:
+        """Every entry of `directory`: S3's listing merged with the mount's local changes."""
+        dir_key = self.table.key_of(directory)
+        dirs: set[str] = set()
+        files: dict[str, ObjectInfo] = {}
+        async for page in self.s3.list_pages(dir_key):
+            for prefix in page.prefixes:
+                name = prefix[len(dir_key):-1]
+                if valid_name(name):
+                    dirs.add(name)
+                else:
+                    self._warn_once(prefix, "not a valid file name")
+            for obj in page.objects:
+                name = obj.key[len(dir_key):]
+                if name == "":
+                    continue  # the directory's own marker
+                if valid_name(name):
+                    files[name] = obj
+                else:
+                    self._warn_once(obj.key, "not a valid file name")
+        entries: list[Inode] = []
+        seen: set[str] = set()
+        for name in sorted(dirs | set(files)):
+            child = self.table.child(directory.ino, name)
+            if name in dirs and name in files:
+                self._warn_once(dir_key + name, "both a file and a directory; showing the directory")
+            if child is not None and child.is_local:
+                pass
+            elif name in dirs:
+                if child is None or not child.is_dir:
+                    child = self._new_dir(directory, name)
+                child.validated_at = time.monotonic()
+            else:
+                info = files[name]
+                if child is None or child.is_dir:
+                    child = self._new_file(directory, name, info, with_metadata=False)
+                else:
+                    self.apply_object(child, info, with_metadata=False)
+            entries.append(child)
+            seen.add(name)
+        for child in self.table.children(directory.ino):
+            if child.name in seen:
+                continue
+            if child.is_local:
+                entries.append(child)
+            else:
+                self.table.detach(child)  # gone from S3
+        self._listed[directory.ino] = time.monotonic()
+        entries.sort(key=lambda i: i.name)
+        return entries
+
+
+def _int(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text is not None else default
+    except ValueError:
+        return default

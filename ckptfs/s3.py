@@ -1,0 +1,291 @@
+"""The only module that imports boto3: a small async S3 client.
+
+boto3 blocks, so every call runs in a worker thread under one CapacityLimiter
+shared by the whole mount; the connection pool is sized to that limiter.
+Errors leave this module as domain exceptions (NoSuchKey, S3Error), never as
+botocore types.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import boto3
+import botocore.config
+import botocore.exceptions
+import trio
+
+from ckptfs.errors import NoSuchKey, S3Error
+from ckptfs.parts import GiB
+
+log = logging.getLogger(__name__)
+
+# CopyObject copies at most 5 GiB; larger objects go through UploadPartCopy.
+COPY_LIMIT = 5 * GiB
+COPY_PART_SIZE = 1 * GiB
+_DELETE_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str
+    last_modified: float
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ListPage:
+    prefixes: list[str]
+    objects: list[ObjectInfo]
+
+
+def md5_b64(data: bytes | memoryview) -> str:
+    return base64.b64encode(hashlib.md5(data).digest()).decode()
+
+
+def _timestamp(value: Any) -> float:
+    if isinstance(value, dt.datetime):
+        return value.timestamp()
+    return 0.0
+
+
+@contextlib.contextmanager
+def _mapped(op: str, key: str) -> Iterator[None]:
+    """Translate botocore failures into domain exceptions for one call."""
+    try:
+        yield
+    except botocore.exceptions.ClientError as exc:
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("NoSuchKey", "404", "NotFound") or (status == 404 and code != "NoSuchBucket"):
+            raise NoSuchKey(key) from None
+        raise S3Error(f"{op} {key}: {code or status} {err.get('Message', '')}".strip(), code) from None
+    except botocore.exceptions.BotoCoreError as exc:
+        raise S3Error(f"{op} {key}: {exc}", type(exc).__name__) from None
+
+
+def make_boto_client(endpoint_url: str | None, region: str | None, profile: str | None,
+                     pool: int, connect_timeout: float = 5, read_timeout: float = 60,
+                     max_attempts: int = 6) -> Any:
+    session = boto3.session.Session(profile_name=profile)
+    config = botocore.config.Config(
+        max_pool_connections=pool,
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        retries={"max_attempts": max_attempts, "mode": "standard"},
+        # We send Content-MD5 ourselves; skip boto3's extra CRC pass over every part.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path"} if endpoint_url else None,
+    )
+    return session.client("s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
+                          config=config)
+
+
+class S3Client:
+    """Async facade over one bucket. Keys passed in are full keys."""
+
+    def __init__(self, boto_client: Any, bucket: str, limiter: trio.CapacityLimiter) -> None:
+        self._c = boto_client
+        self.bucket = bucket
+        self.limiter = limiter
+
+    async def _call(self, op: str, key: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        def run() -> Any:
+            with _mapped(op, key):
+                return fn(Bucket=self.bucket, **kwargs)
+        return await trio.to_thread.run_sync(run, limiter=self.limiter)
+
+    async def head(self, key: str) -> ObjectInfo:
+        r = await self._call("HEAD", key, self._c.head_object, Key=key)
+        return ObjectInfo(key, r["ContentLength"], r.get("ETag", ""), _timestamp(r.get("LastModified")),
+                          dict(r.get("Metadata", {})))
+
+    async def list_page(self, prefix: str, token: str | None, delimiter: str = "/",
+                        max_keys: int = 1000) -> tuple[ListPage, str | None]:
+        kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": max_keys}
+        if delimiter:
+            kwargs["Delimiter"] = delimiter
+        if token:
+            kwargs["ContinuationToken"] = token
+        r = await self._call("LIST", prefix, self._c.list_objects_v2, **kwargs)
+        objects = [ObjectInfo(o["Key"], o["Size"], o.get("ETag", ""), _timestamp(o.get("LastModified")))
+                   for o in r.get("Contents", [])]
+        prefixes = [p["Prefix"] for p in r.get("CommonPrefixes", [])]
+        nxt = r.get("NextContinuationToken") if r.get("IsTruncated") else None
+        return ListPage(prefixes, objects), nxt
+
+    async def list_pages(self, prefix: str, delimiter: str = "/") -> AsyncIterator[ListPage]:
+        token: str | None = None
+        while True:
+            page, token = await self.list_page(prefix, token, delimiter)
+            yield page
+            if not token:
+                return
+
+    async def list_keys(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under `prefix`, recursively."""
+        out: list[ObjectInfo] = []
+        async for page in self.list_pages(prefix, delimiter=""):
+            out.extend(page.objects)
+        return out
+
+    async def has_children(self, prefix: str) -> bool:
+        page, _ = await self.list_page(prefix, None, delimiter="/", max_keys=2)
+        return any(o.key != prefix for o in page.objects) or bool(page.prefixes)
+
+    async def get_range(self, key: str, start: int, end: int, etag: str | None = None) -> bytes:
+        """Bytes [start, end) of `key`; with `etag`, fail if the object changed."""
+        if end <= start:
+            return b""
+        kwargs: dict[str, Any] = {"Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if etag:
+            kwargs["IfMatch"] = etag
+
+        def run() -> bytes:
+            with _mapped("GET", key):
+                r = self._c.get_object(Bucket=self.bucket, **kwargs)
+                return r["Body"].read()
+        return await trio.to_thread.run_sync(run, limiter=self.limiter)
+
+    async def download_to(self, key: str, fd: int, size: int, chunk: int, etag: str | None = None) -> None:
+        """Fetch a whole object into `fd` with parallel ranged GETs, chunk bytes each."""
+        import os
+
+        async def one(start: int) -> None:
+            data = await self.get_range(key, start, min(start + chunk, size), etag)
+            await trio.to_thread.run_sync(os.pwrite, fd, data, start)
+
+        async with trio.open_nursery() as nursery:
+            for start in range(0, size, chunk):
+                nursery.start_soon(one, start)
+
+    async def put(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
+        def run() -> str:
+            with _mapped("PUT", key):
+                r = self._c.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata,
+                                       ContentMD5=md5_b64(body))
+                return r.get("ETag", "")
+        return await trio.to_thread.run_sync(run, limiter=self.limiter)
+
+    async def create_multipart(self, key: str, metadata: dict[str, str]) -> str:
+        r = await self._call("CreateMultipartUpload", key, self._c.create_multipart_upload,
+                             Key=key, Metadata=metadata)
+        return r["UploadId"]
+
+    async def upload_part_from(self, key: str, upload_id: str, number: int,
+                               read: Callable[[], bytes]) -> tuple[str, bytes]:
+        """Upload part `number`, reading its bytes in the worker thread; (ETag, md5 digest)."""
+        def run() -> tuple[str, bytes]:
+            body = read()
+            digest = hashlib.md5(body).digest()
+            with _mapped(f"UploadPart {number}", key):
+                r = self._c.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                        PartNumber=number, Body=body,
+                                        ContentMD5=base64.b64encode(digest).decode())
+            return r["ETag"], digest
+        return await trio.to_thread.run_sync(run, limiter=self.limiter)
+
+    async def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> str:
+        r = await self._call("CompleteMultipartUpload", key, self._c.complete_multipart_upload,
+                             Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        return r.get("ETag", "")
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        await self._call("AbortMultipartUpload", key, self._c.abort_multipart_upload,
+                         Key=key, UploadId=upload_id)
+
+    async def copy(self, src: str, dst: str, size: int, metadata: dict[str, str] | None = None) -> str:
+        """Server-side copy, returning the new ETag; `metadata` replaces the source's when given."""
+        if size <= COPY_LIMIT:
+            kwargs: dict[str, Any] = {"Key": dst, "CopySource": {"Bucket": self.bucket, "Key": src}}
+            if metadata is not None:
+                kwargs.update(MetadataDirective="REPLACE", Metadata=metadata)
+            r = await self._call("COPY", dst, self._c.copy_object, **kwargs)
+            return r.get("CopyObjectResult", {}).get("ETag", "")
+        if metadata is None:
+            metadata = (await self.head(src)).metadata
+        upload_id = await self.create_multipart(dst, metadata)
+        try:
+            parts: list[dict[str, Any]] = []
+
+            async def one(number: int, start: int) -> None:
+                end = min(start + COPY_PART_SIZE, size) - 1
+                r = await self._call("UploadPartCopy", dst, self._c.upload_part_copy, Key=dst,
+                                     UploadId=upload_id, PartNumber=number,
+                                     CopySource={"Bucket": self.bucket, "Key": src},
+                                     CopySourceRange=f"bytes={start}-{end}")
+                parts.append({"ETag": r["CopyPartResult"]["ETag"], "PartNumber": number})
+
+            async with trio.open_nursery() as nursery:
+                for i, start in enumerate(range(0, size, COPY_PART_SIZE)):
+                    nursery.start_soon(one, i + 1, start)
+            parts.sort(key=lambda p: p["PartNumber"])
+            return await self.complete_multipart(dst, upload_id, parts)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                with contextlib.suppress(S3Error):
+                    await self.abort_multipart(dst, upload_id)
+            raise
+
+    async def delete(self, key: str) -> None:
+        await self._call("DELETE", key, self._c.delete_object, Key=key)
+
+    async def delete_many(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[i:i + _DELETE_BATCH]
+            r = await self._call("DeleteObjects", batch[0], self._c.delete_objects,
+                                 Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            if r.get("Errors"):
+                first = r["Errors"][0]
+                raise S3Error(f"DELETE {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}")
+
+
+
+def preflight(endpoint_url: str | None, region: str | None, profile: str | None,
+              bucket: str, prefix: str) -> None:
+    """Check, before mounting, that the bucket is reachable with these credentials.
+
+    Raises MountError with a one-line reason that never contains a secret.
+    """
+    from ckptfs.errors import MountError
+
+    where = endpoint_url or "the default AWS endpoint"
+    try:
+        if boto3.session.Session(profile_name=profile).get_credentials() is None:
+            raise botocore.exceptions.NoCredentialsError()
+        client = make_boto_client(endpoint_url, region, profile, pool=1, connect_timeout=3,
+                                  read_timeout=10, max_attempts=2)
+        client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
+    except botocore.exceptions.ProfileNotFound:
+        raise MountError(f"AWS profile {profile!r} not found") from None
+    except botocore.exceptions.NoCredentialsError:
+        raise MountError("no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                         "--profile, or use an instance role)") from None
+    except (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError,
+            botocore.exceptions.ReadTimeoutError):
+        raise MountError(f"cannot reach the S3 endpoint {where}") from None
+    except ValueError as exc:  # e.g. a malformed endpoint URL
+        raise MountError(f"invalid S3 endpoint {endpoint_url!r}: {exc}") from None
+    except botocore.exceptions.ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "NoSuchBucket":
+            raise MountError(f"bucket {bucket!r} does not exist at {where}") from None
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
+                    "InvalidToken", "ExpiredToken") or status in (401, 403):
+            raise MountError(f"access to s3://{bucket}/{prefix} denied ({code or status}): "
+                             "check the credentials") from None
+        raise MountError(f"S3 check of s3://{bucket}/{prefix} failed: {code or status}") from None
+    except botocore.exceptions.BotoCoreError as exc:
+        raise MountError(f"S3 check of s3://{bucket}/{prefix} failed: {exc}") from None

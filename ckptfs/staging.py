@@ -1,0 +1,119 @@
+"""Staged files: the local copy of a file being written, on the cache disk.
+
+A staged file always holds the file's whole content (a file opened for writing
+without O_TRUNC is downloaded first), so reads of a staged file never go to S3.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+import os
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+class StagedFile:
+    """One file's bytes on local disk; readable only by the mount's owner.
+
+    The descriptor is opened on demand and closed while no handle uses the
+    file, so thousands of clean local copies do not exhaust descriptors.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+    @property
+    def fd(self) -> int:
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        return self._fd
+
+    def pwrite(self, data: bytes, offset: int) -> int:
+        return os.pwrite(self.fd, data, offset)
+
+    def pread(self, size: int, offset: int) -> bytes:
+        return os.pread(self.fd, size, offset)
+
+    def truncate(self, size: int) -> None:
+        os.ftruncate(self.fd, size)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def remove(self) -> None:
+        """Close and delete; safe to call twice."""
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class LocalCopies:
+    """Clean staged files kept for reads, least recently used first out, within a byte budget."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.total = 0
+        self._sizes: OrderedDict[int, int] = OrderedDict()
+
+    def keep(self, ino: int, size: int) -> list[int]:
+        """Record a clean copy; returns the inodes whose copies should now be dropped."""
+        self.discard(ino)
+        self._sizes[ino] = size
+        self.total += size
+        victims = []
+        while self.total > self.budget and len(self._sizes) > 1:
+            victim, vsize = self._sizes.popitem(last=False)
+            self.total -= vsize
+            victims.append(victim)
+        return victims
+
+    def touch(self, ino: int) -> None:
+        if ino in self._sizes:
+            self._sizes.move_to_end(ino)
+
+    def discard(self, ino: int) -> None:
+        size = self._sizes.pop(ino, None)
+        if size is not None:
+            self.total -= size
+
+
+class StagingArea:
+    """The staging directory under the cache dir, and the files in it."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.dir = os.path.join(cache_dir, "staging")
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        self._names = itertools.count(1)
+        self.preserved = self._preserve_leftovers(cache_dir)
+
+    def _preserve_leftovers(self, cache_dir: str) -> str | None:
+        """Move staged files of an earlier daemon aside, never deleting them.
+
+        Without an upload journal they cannot be resumed, but they may hold the
+        only copy of something a writer never got to close.
+        """
+        leftovers = os.listdir(self.dir)
+        if not leftovers:
+            return None
+        dest = os.path.join(cache_dir, "preserved", time.strftime("%Y%m%dT%H%M%S"))
+        os.makedirs(dest, mode=0o700, exist_ok=True)
+        for name in leftovers:
+            os.rename(os.path.join(self.dir, name), os.path.join(dest, name))
+        log.warning("moved %d staged files of an earlier run to %s", len(leftovers), dest)
+        return dest
+
+    def new_file(self) -> StagedFile:
+        return StagedFile(os.path.join(self.dir, f"{os.getpid()}-{next(self._names)}"))
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.dir)
+        return st.f_bavail * st.f_frsize

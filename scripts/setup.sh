@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Idempotent setup on Debian: FUSE packages, a venv in .venv, ckptfs with its test extras, torch.
+# Sourced by scripts/demo.sh and scripts/test.sh; safe to run again and again.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY=${PYTHON:-python3}
+need_apt=()
+for pkg in fuse3 libfuse3-dev pkg-config; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+# pyfuse3 builds from source: it needs a compiler and the Python headers.
+command -v gcc >/dev/null || need_apt+=(gcc)
+"$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    || need_apt+=(python3-dev)
+"$PY" -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+pip_q() {  # pip install, minus the harmless warnings about a missing local index folder
+    local out rc=0
+    out=$(.venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1) || rc=$?
+    printf '%s\n' "$out" | grep -vE "it is neither a file nor a directory|^$" >&2 || true
+    return $rc
+}
+# torch: the exact CPU build on this machine's disk; never a bare 'torch' (that pulls CUDA).
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+    pip_q "torch==2.13.0"
+fi
+pip_q -e ".[test]"
+.venv/bin/python -c 'import ckptfs, pyfuse3, torch' || { echo "setup failed: the venv is incomplete" >&2; exit 1; }

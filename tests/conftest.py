@@ -1,0 +1,155 @@
+"""Shared fixtures: one real SeaweedFS S3 server per session, real FUSE mounts per test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptfs import devserver
+
+BUCKET = devserver.DEFAULT_BUCKET
+ACCESS_KEY = devserver.ACCESS_KEY
+SECRET_KEY = devserver.SECRET_KEY
+free_ports = devserver.free_ports
+client_env = devserver.client_env
+S3Server = devserver.DevServer
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    data_dir = tempfile.mkdtemp(prefix="ckptfs-weed-")
+    try:
+        server = devserver.start(data_dir)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def s3(s3_server: S3Server):
+    return s3_server.client()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+def ckptfs_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ckptfs", *args]
+
+
+def run_ckptfs(*args: str, endpoint: str | None = None, timeout: float = 120,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(ckptfs_cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          env=env if env is not None else client_env(endpoint))
+
+
+def is_mount(path: str) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == real for line in f)
+
+
+def force_unmount(path: str) -> None:
+    if is_mount(path):
+        if subprocess.run(["fusermount3", "-u", path], capture_output=True).returncode != 0:
+            subprocess.run(["fusermount3", "-uz", path], capture_output=True)
+
+
+@dataclass
+class Mount:
+    """One live ckptfs mount in a background daemon."""
+    path: Path
+    cache_dir: Path
+    source: str
+    endpoint: str
+
+    @property
+    def log(self) -> str:
+        try:
+            return (self.cache_dir / "ckptfs.log").read_text()
+        except FileNotFoundError:
+            return "(no log)"
+
+    def unmount(self) -> None:
+        if not is_mount(str(self.path)):
+            return
+        r = run_ckptfs("unmount", str(self.path), endpoint=self.endpoint, timeout=180)
+        if r.returncode != 0:
+            force_unmount(str(self.path))
+            raise AssertionError(f"ckptfs unmount failed: {r.stderr}\n{self.log[-3000:]}")
+
+
+class Mounter:
+    def __init__(self, server: S3Server, tmp: Path, prefix: str) -> None:
+        self.server = server
+        self.tmp = tmp
+        self.prefix = prefix
+        self.mounts: list[Mount] = []
+        self._n = 0
+
+    def __call__(self, *extra: str, prefix: str | None = None, cache_dir: Path | None = None,
+                 path: Path | None = None) -> Mount:
+        self._n += 1
+        if path is None:
+            path = self.tmp / f"mnt{self._n}"
+            path.mkdir()
+        cache = cache_dir or self.tmp / f"cache{self._n}"
+        source = f"s3://{BUCKET}/{prefix or self.prefix}"
+        r = run_ckptfs("mount", source, str(path), "--cache-dir", str(cache),
+                       "--endpoint-url", self.server.endpoint, *extra, endpoint=self.server.endpoint)
+        mount = Mount(path, cache, source, self.server.endpoint)
+        if r.returncode != 0:
+            raise AssertionError(f"mount failed ({r.returncode}): {r.stderr}\n{mount.log[-3000:]}")
+        assert is_mount(str(path)), mount.log
+        self.mounts.append(mount)
+        return mount
+
+    def close(self) -> None:
+        errors = []
+        for mount in reversed(self.mounts):
+            try:
+                mount.unmount()
+            except AssertionError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise AssertionError("\n".join(errors))
+
+
+@pytest.fixture
+def mounter(s3_server: S3Server, tmp_path: Path, prefix: str) -> Iterator[Mounter]:
+    m = Mounter(s3_server, tmp_path, prefix)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+@pytest.fixture
+def mnt(mounter: Mounter) -> Mount:
+    return mounter()
+
+
+def s3_bytes(s3, key: str) -> bytes:
+    return s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+
+def s3_keys(s3, prefix: str) -> list[str]:
+    out = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        out.extend(o["Key"] for o in page.get("Contents", []))
+    return sorted(out)

@@ -1,0 +1,60 @@
+"""Name mapping rules, against a fake S3 listing (keys SeaweedFS itself refuses to store)."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from ckptfs.inodes import ROOT_INODE, InodeTable
+from ckptfs.namespace import Namespace, valid_name
+from ckptfs.s3 import ListPage, ObjectInfo
+
+
+class FakeListing:
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = sorted(keys)
+        self.list_calls = 0
+
+    async def list_pages(self, prefix: str, delimiter: str = "/"):
+        self.list_calls += 1
+        prefixes, objects = [], []
+        for key in self.keys:
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            if "/" in rest:
+                p = prefix + rest.split("/", 1)[0] + "/"
+                if p not in prefixes:
+                    prefixes.append(p)
+            else:
+                objects.append(ObjectInfo(key, 1, '"e"', 0.0))
+        yield ListPage(prefixes, objects)
+
+
+def test_valid_names() -> None:
+    assert valid_name("model.pt")
+    assert not valid_name("") and not valid_name(".") and not valid_name("..")
+    assert not valid_name("a/b")
+    assert valid_name("n" * 255) and not valid_name("n" * 256)
+    assert not valid_name("é" * 128)  # 256 bytes in UTF-8
+
+
+async def test_listing_leaves_out_keys_that_cannot_be_paths(caplog) -> None:
+    keys = ["p/ok.txt", "p/a//b", "p/./dot", "p/../up", "p/" + "n" * 256, "p/d/", "p/d/fine",
+            "p/both", "p/both/inner"]
+    fake = FakeListing(keys)
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(fake, table, 0, 0, ttl=1.0)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING):
+        entries = await ns.list_dir(table[ROOT_INODE])
+        again = await ns.list_dir(table[ROOT_INODE])
+    assert [(e.name, e.is_dir) for e in entries] == [("a", True), ("both", True), ("d", True),
+                                                      ("ok.txt", False)]
+    assert [e.ino for e in again] == [e.ino for e in entries]
+    a = table.child(ROOT_INODE, "a")
+    assert [e.name for e in await ns.list_dir(a)] == []  # 'p/a//b' has an empty component
+    warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    # './', '../', the long name, the file shadowed by 'both/', and 'a//' (an empty name in 'a')
+    assert len(warnings) == 5
+    assert all(w.count("left out") == 1 for w in warnings)

@@ -1,0 +1,112 @@
+"""A stateful property test: random operations on the mount and on a local directory must agree,
+then again after a remount with an empty cache (everything read back from S3)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from conftest import Mounter, S3Server
+
+DIRS = ["", "d1", "d1/d2", "e"]
+NAMES = ["a", "b.pt", "c"]
+paths = st.builds(lambda d, n: f"{d}/{n}".lstrip("/"), st.sampled_from(DIRS), st.sampled_from(NAMES))
+any_path = st.one_of(paths, st.sampled_from(DIRS[1:]))
+data = st.binary(max_size=3000)
+
+
+def outcome(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except OSError as exc:
+        return ("err", exc.errno)
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for d in dirnames:
+            out[os.path.normpath(os.path.join(rel, d)) + "/"] = None
+        for f in filenames:
+            out[os.path.normpath(os.path.join(rel, f))] = Path(dirpath, f).read_bytes()
+    return out
+
+
+def test_mount_agrees_with_a_local_directory(s3_server: S3Server, tmp_path: Path) -> None:
+    class MountVsLocal(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.work = Path(tempfile.mkdtemp(dir=tmp_path))
+            self.mounter = Mounter(s3_server, self.work, f"sm-{uuid.uuid4().hex[:10]}")
+            self.mnt = self.mounter().path
+            self.ref = self.work / "ref"
+            self.ref.mkdir()
+
+        def both(self, fn, *rel: str):
+            a = outcome(fn, *[self.mnt / r for r in rel])
+            b = outcome(fn, *[self.ref / r for r in rel])
+            assert a == b, (fn.__name__, rel, a, b)
+
+        @rule(path=paths, payload=data, append=st.booleans())
+        def write(self, path: str, payload: bytes, append: bool) -> None:
+            def w(p: Path) -> None:
+                with open(p, "ab" if append else "wb") as f:
+                    f.write(payload)
+            self.both(w, path)
+
+        @rule(path=paths, offset=st.integers(0, 4000), payload=st.binary(min_size=1, max_size=500))
+        def overwrite(self, path: str, offset: int, payload: bytes) -> None:
+            def w(p: Path) -> None:
+                with open(p, "r+b") as f:
+                    f.seek(offset)
+                    f.write(payload)
+            self.both(w, path)
+
+        @rule(path=paths, size=st.integers(0, 5000))
+        def truncate(self, path: str, size: int) -> None:
+            self.both(lambda p: os.truncate(p, size), path)
+
+        @rule(path=st.sampled_from(DIRS[1:]))
+        def mkdir(self, path: str) -> None:
+            self.both(os.mkdir, path)
+
+        @rule(path=paths)
+        def unlink(self, path: str) -> None:
+            self.both(os.unlink, path)
+
+        @rule(path=st.sampled_from(DIRS[1:]))
+        def rmdir(self, path: str) -> None:
+            self.both(os.rmdir, path)
+
+        @rule(src=any_path, dst=any_path)
+        def rename(self, src: str, dst: str) -> None:
+            self.both(os.rename, src, dst)
+
+        @rule(path=paths)
+        def read(self, path: str) -> None:
+            self.both(lambda p: p.read_bytes(), path)
+
+        @invariant()
+        def trees_agree(self) -> None:
+            assert snapshot(self.mnt) == snapshot(self.ref)
+
+        def teardown(self) -> None:
+            try:
+                self.mounter.close()
+                fresh = self.mounter().path  # new, empty cache dir
+                assert snapshot(fresh) == snapshot(self.ref)
+            finally:
+                self.mounter.close()
+                shutil.rmtree(self.work, ignore_errors=True)
+
+    run_state_machine_as_test(MountVsLocal, settings=settings(
+        max_examples=int(os.environ.get("CKPTFS_STATEFUL_EXAMPLES", "8")), stateful_step_count=30,
+        deadline=None, suppress_health_check=list(HealthCheck)))
