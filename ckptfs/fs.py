@@ -204,6 +204,7 @@ class CheckpointFS(pyfuse3.Operations):
                 return
             generation = inode.generation
             key = self.table.key_of(inode)
+            started = time.monotonic()
             try:
                 result = await self.uploader.upload(inode.staged.fd, key, inode.size,
                                                     object_metadata(inode))
@@ -216,7 +217,8 @@ class CheckpointFS(pyfuse3.Operations):
             inode.validated_at = time.monotonic()
             if inode.generation == generation:
                 inode.dirty = False
-            log.debug("uploaded %s (%d bytes, %d parts)", key, inode.size, result.parts)
+            log.debug("uploaded %s (%d bytes, %d parts) in %.2fs", key, inode.size, result.parts,
+                      time.monotonic() - started)
 
     async def _persist_metadata(self, inode: Inode) -> None:
         """Write changed mode/owner/mtime of a clean object back to S3."""
