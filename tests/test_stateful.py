@@ -11,14 +11,17 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
+                                 run_state_machine_as_test)
 
 from conftest import Mounter, S3Server
 
 DIRS = ["", "d1", "d1/d2", "e"]
 NAMES = ["a", "b.pt", "c"]
-paths = st.builds(lambda d, n: f"{d}/{n}".lstrip("/"), st.sampled_from(DIRS), st.sampled_from(NAMES))
-any_path = st.one_of(paths, st.sampled_from(DIRS[1:]))
+# Root-level names come up most often so that most operations find their parent directory.
+paths = st.builds(lambda d, n: f"{d}/{n}".lstrip("/"), st.sampled_from(["", "", "", "d1", "d1/d2", "e"]),
+                  st.sampled_from(NAMES))
+any_path = st.one_of(paths, paths, st.sampled_from(DIRS[1:]))
 data = st.binary(max_size=3000)
 
 
@@ -54,6 +57,11 @@ def test_mount_agrees_with_a_local_directory(s3_server: S3Server, tmp_path: Path
             a = outcome(fn, *[self.mnt / r for r in rel])
             b = outcome(fn, *[self.ref / r for r in rel])
             assert a == b, (fn.__name__, rel, a, b)
+
+        @initialize()
+        def start_with_a_file_and_a_directory(self) -> None:
+            self.both(os.mkdir, "d1")
+            self.both(lambda p: p.write_bytes(b"initial"), "a")
 
         @rule(path=paths, payload=data, append=st.booleans())
         def write(self, path: str, payload: bytes, append: bool) -> None:
@@ -108,5 +116,5 @@ def test_mount_agrees_with_a_local_directory(s3_server: S3Server, tmp_path: Path
                 shutil.rmtree(self.work, ignore_errors=True)
 
     run_state_machine_as_test(MountVsLocal, settings=settings(
-        max_examples=int(os.environ.get("CKPTFS_STATEFUL_EXAMPLES", "8")), stateful_step_count=30,
+        max_examples=int(os.environ.get("CKPTFS_STATEFUL_EXAMPLES", "12")), stateful_step_count=40,
         deadline=None, suppress_health_check=list(HealthCheck)))
