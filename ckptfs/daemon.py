@@ -138,10 +138,13 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
         log.info("mounted s3://%s/%s at %s (cache %s)", config.bucket, config.prefix,
                  config.mountpoint, config.cache_dir)
         async with trio.open_nursery() as nursery:
-            fs.reader.nursery = nursery
+            fs.reader.nursery = fs.uploader.nursery = nursery
             nursery.start_soon(_watch_signals, fs)
             notify(READY)
             await pyfuse3.main()
+            # No journal resumes them yet: abort what files never closed left open in S3.
+            for inode in fs.table.all():
+                await fs.uploader.abort(inode.upload)
             nursery.cancel_scope.cancel()
     finally:
         with contextlib.suppress(FileNotFoundError):

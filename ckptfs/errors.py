@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
 
 
 class CkptfsError(Exception):
@@ -33,3 +35,19 @@ class S3Error(CkptfsError):
 
 class UploadError(S3Error):
     """A staged file could not be made durable in S3. Its staged bytes are kept."""
+
+
+def first_leaf(exc: BaseException) -> BaseException:
+    """The first real exception inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+@contextlib.contextmanager
+def raise_first_error() -> Iterator[None]:
+    """Around a nursery: re-raise its first failure plainly, so callers can catch domain errors."""
+    try:
+        yield
+    except ExceptionGroup as group:
+        raise first_leaf(group) from None

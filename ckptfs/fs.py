@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from ckptfs.errors import CkptfsError, NoSuchKey, UploadError
+from ckptfs.errors import CkptfsError, NoSuchKey, UploadError, raise_first_error
 from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
 from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace, object_metadata
 from ckptfs.prefetch import ChunkReader, ReadStream
@@ -33,20 +33,12 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 _DOWNLOAD_CHUNK = 16 * 1024 * 1024
 
 
-def _first_leaf(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
-
-
 def _guarded(fn: F) -> F:
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            try:
+            with raise_first_error():  # a nursery's group: report its first failure
                 return await fn(*args, **kwargs)
-            except ExceptionGroup as group:  # from a nursery: report its first failure
-                raise _first_leaf(group) from None
         except pyfuse3.FUSEError:
             raise
         except CkptfsError as exc:
@@ -165,6 +157,7 @@ class CheckpointFS(pyfuse3.Operations):
             self.local_copies.discard(inode.ino)
             if truncate:
                 inode.staged.truncate(0)
+                self.uploader.note_truncate(inode.upload, 0)
             return
         staged = self.staging.new_file()
         try:
@@ -206,7 +199,7 @@ class CheckpointFS(pyfuse3.Operations):
             key = self.table.key_of(inode)
             started = time.monotonic()
             try:
-                result = await self.uploader.upload(inode.staged.fd, key, inode.size,
+                result = await self.uploader.finish(inode.upload, inode.staged.path, key, inode.size,
                                                     object_metadata(inode))
             except UploadError as exc:
                 log.error("upload of %s failed, staged copy kept at %s: %s",
@@ -272,6 +265,7 @@ class CheckpointFS(pyfuse3.Operations):
             await self._ensure_staged(node, truncate=attr.st_size == 0)
             assert node.staged is not None
             node.staged.truncate(attr.st_size)
+            self.uploader.note_truncate(node.upload, attr.st_size)
             node.size = attr.st_size
             self._changed(node)
         if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_mtime:
@@ -378,6 +372,7 @@ class CheckpointFS(pyfuse3.Operations):
         if node.is_dir:
             raise _fail(errno.EISDIR)
         async with node.upload_lock:
+            await self.uploader.abort(node.upload)
             if node.etag is not None:
                 await self.s3.delete(self.table.key_of(node))
             node.dirty = False
@@ -604,6 +599,8 @@ class CheckpointFS(pyfuse3.Operations):
         if off + written > node.size:
             node.size = off + written
         self._changed(node)
+        self.uploader.note_write(node.upload, node.staged.path, lambda: self.table.key_of(node),
+                                 lambda: object_metadata(node), off, off + written)
         return written
 
     @_guarded

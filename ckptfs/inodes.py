@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ckptfs.staging import StagedFile
+from ckptfs.uploader import FileUpload
 
 ROOT_INODE = 1
 
@@ -47,6 +48,7 @@ class Inode:
     unlinked: bool = False
     validated_at: float = 0.0  # time.monotonic() of the last S3 confirmation
     upload_lock: trio.Lock = field(default_factory=trio.Lock)
+    upload: FileUpload = field(default_factory=FileUpload)  # streamed parts of the staged bytes
 
     @property
     def is_dir(self) -> bool:

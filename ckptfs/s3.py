@@ -8,10 +8,9 @@ botocore types.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
-import hashlib
+import zlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import botocore.config
 import botocore.exceptions
 import trio
 
+from ckptfs.checksum import b64_crc32
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.parts import GiB
 
@@ -40,16 +40,13 @@ class ObjectInfo:
     etag: str
     last_modified: float
     metadata: dict[str, str] = field(default_factory=dict)
+    checksum_crc32: str | None = None  # S3's full-object CRC32, where the server keeps one
 
 
 @dataclass(frozen=True)
 class ListPage:
     prefixes: list[str]
     objects: list[ObjectInfo]
-
-
-def md5_b64(data: bytes | memoryview) -> str:
-    return base64.b64encode(hashlib.md5(data).digest()).decode()
 
 
 def _timestamp(value: Any) -> float:
@@ -106,10 +103,13 @@ class S3Client:
                 return fn(Bucket=self.bucket, **kwargs)
         return await trio.to_thread.run_sync(run, limiter=self.limiter)
 
-    async def head(self, key: str) -> ObjectInfo:
-        r = await self._call("HEAD", key, self._c.head_object, Key=key)
+    async def head(self, key: str, checksum: bool = False) -> ObjectInfo:
+        kwargs: dict[str, Any] = {"Key": key}
+        if checksum:
+            kwargs["ChecksumMode"] = "ENABLED"
+        r = await self._call("HEAD", key, self._c.head_object, **kwargs)
         return ObjectInfo(key, r["ContentLength"], r.get("ETag", ""), _timestamp(r.get("LastModified")),
-                          dict(r.get("Metadata", {})))
+                          dict(r.get("Metadata", {})), r.get("ChecksumCRC32"))
 
     async def list_page(self, prefix: str, token: str | None, delimiter: str = "/",
                         max_keys: int = 1000) -> tuple[ListPage, str | None]:
@@ -171,34 +171,37 @@ class S3Client:
                 nursery.start_soon(one, start)
 
     async def put(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
+        """PutObject with a CRC32 the server verifies and keeps as the object's checksum."""
         def run() -> str:
             with _mapped("PUT", key):
                 r = self._c.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata,
-                                       ContentMD5=md5_b64(body))
+                                       ChecksumCRC32=b64_crc32(zlib.crc32(body)))
                 return r.get("ETag", "")
         return await trio.to_thread.run_sync(run, limiter=self.limiter)
 
-    async def create_multipart(self, key: str, metadata: dict[str, str]) -> str:
+    async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True) -> str:
+        """With `checksum`, every part carries a CRC32 and the object gets a FULL_OBJECT CRC32."""
+        kwargs: dict[str, Any] = {}
+        if checksum:
+            kwargs.update(ChecksumAlgorithm="CRC32", ChecksumType="FULL_OBJECT")
         r = await self._call("CreateMultipartUpload", key, self._c.create_multipart_upload,
-                             Key=key, Metadata=metadata)
+                             Key=key, Metadata=metadata, **kwargs)
         return r["UploadId"]
 
-    async def upload_part_from(self, key: str, upload_id: str, number: int,
-                               read: Callable[[], bytes]) -> tuple[str, bytes]:
-        """Upload part `number`, reading its bytes in the worker thread; (ETag, md5 digest)."""
-        def run() -> tuple[str, bytes]:
-            body = read()
-            digest = hashlib.md5(body).digest()
-            with _mapped(f"UploadPart {number}", key):
-                r = self._c.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
-                                        PartNumber=number, Body=body,
-                                        ContentMD5=base64.b64encode(digest).decode())
-            return r["ETag"], digest
-        return await trio.to_thread.run_sync(run, limiter=self.limiter)
+    def upload_part_sync(self, key: str, upload_id: str, number: int, body: Any, crc: int) -> str:
+        """Upload one part from a file-like body whose CRC32 is `crc`; call from a worker thread."""
+        with _mapped(f"UploadPart {number}", key):
+            r = self._c.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                                    Body=body, ChecksumCRC32=b64_crc32(crc))
+        return r["ETag"]
 
-    async def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> str:
+    async def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]],
+                                 crc: int | None = None) -> str:
+        kwargs: dict[str, Any] = {}
+        if crc is not None:
+            kwargs.update(ChecksumCRC32=b64_crc32(crc), ChecksumType="FULL_OBJECT")
         r = await self._call("CompleteMultipartUpload", key, self._c.complete_multipart_upload,
-                             Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+                             Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **kwargs)
         return r.get("ETag", "")
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
@@ -215,7 +218,7 @@ class S3Client:
             return r.get("CopyObjectResult", {}).get("ETag", "")
         if metadata is None:
             metadata = (await self.head(src)).metadata
-        upload_id = await self.create_multipart(dst, metadata)
+        upload_id = await self.create_multipart(dst, metadata, checksum=False)
         try:
             parts: list[dict[str, Any]] = []
 

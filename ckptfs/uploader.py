@@ -1,26 +1,37 @@
-"""Make a staged file durable in S3: one PUT, or parallel multipart from the staging file.
+"""Make staged files durable in S3, streaming parts while the writer is still writing.
 
-Part bytes are read from the staging file inside the worker thread that sends
-them, so memory holds at most `concurrency` parts whatever the file size. An
-upload that fails aborts its multipart upload; the staged file is untouched.
+Once a write completes a part-sized range of a file larger than one part, that
+part is uploaded in the background; `finish()` (close/fsync) then sends only
+what is missing or was rewritten after it went up, and completes the upload.
+Part bytes are streamed from the staging file in the worker thread that sends
+them, so memory does not grow with the part size or the file size. One
+CapacityLimiter bounds parts in flight across all files of the mount, FIFO, so
+concurrent writers share it fairly. A failed upload aborts its multipart
+upload; the staged file is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import io
 import logging
 import os
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from ckptfs.errors import NoSuchKey, S3Error, UploadError
-from ckptfs.parts import PartPlan
+from ckptfs.checksum import b64_crc32, crc32_of_parts
+from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
+from ckptfs.parts import PartPlan, PartRange
 from ckptfs.s3 import S3Client
 
 log = logging.getLogger(__name__)
+
+_READ_CHUNK = 1 << 20
+_PART_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -29,83 +40,292 @@ class UploadResult:
     parts: int
 
 
-def multipart_etag(digests: list[bytes]) -> str:
-    """The ETag S3 gives a multipart object: md5 of the part md5s, dash, part count."""
-    return f'"{hashlib.md5(b"".join(digests)).hexdigest()}-{len(digests)}"'
+@dataclass(frozen=True)
+class PartRecord:
+    """A part that is in S3 under the open multipart upload, ready for CompleteMultipartUpload."""
+    start: int
+    end: int
+    etag: str
+    crc: int  # CRC32 of the part's bytes
+    generation: int  # the file's write clock when the bytes were read
+
+
+@dataclass(eq=False)
+class FileUpload:
+    """The upload state of one staged file: its open multipart upload and which parts are current."""
+    key: str | None = None
+    upload_id: str | None = None
+    metadata: dict[str, str] | None = None
+    parts: dict[int, PartRecord] = field(default_factory=dict)
+    touched: dict[int, int] = field(default_factory=dict)  # part number -> write clock of last change
+    clock: int = 0
+    sending: dict[int, trio.Event] = field(default_factory=dict)
+    create_lock: trio.Lock = field(default_factory=trio.Lock)
+
+    def current(self, r: PartRange) -> bool:
+        rec = self.parts.get(r.number)
+        return (rec is not None and rec.start == r.start and rec.end == r.end
+                and rec.generation >= self.touched.get(r.number, 0))
+
+
+def _without_mtime(metadata: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in metadata.items() if k != "mtime"}
+
+
+class FileRange(io.RawIOBase):
+    """A read-only, seekable view of bytes [start, start+length) of a file, for a request body."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return self._length
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(self._length, base + offset))
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        remaining = self._length - self._pos
+        if size is None or size < 0 or size > remaining:
+            size = remaining
+        if size == 0:
+            return b""
+        data = os.pread(self._fd, size, self._start + self._pos)
+        if len(data) != size:
+            raise UploadError("the staged file is shorter than its recorded size")
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def _crc_of_range(fd: int, start: int, length: int) -> int:
+    crc = 0
+    done = 0
+    while done < length:
+        chunk = os.pread(fd, min(_READ_CHUNK, length - done), start + done)
+        if not chunk:
+            raise UploadError("the staged file is shorter than its recorded size")
+        crc = zlib.crc32(chunk, crc)
+        done += len(chunk)
+    return crc
 
 
 class Uploader:
     def __init__(self, s3: S3Client, plan: PartPlan, concurrency: int) -> None:
         self.s3 = s3
         self.plan = plan
-        self.concurrency = concurrency
-        self.in_flight = 0
+        self.parts_limiter = trio.CapacityLimiter(concurrency)
+        self.nursery: trio.Nursery | None = None  # set by the daemon; holds streamed part uploads
+        self._active = 0
         self.idle = trio.Event()
         self.idle.set()
+        self.parts_sent = 0
+        self.part_retries = 0
 
-    async def upload(self, fd: int, key: str, size: int, metadata: dict[str, str]) -> UploadResult:
-        """Upload `size` bytes of `fd` to `key`; returns once the object is complete and verified."""
-        self.in_flight += 1
-        self.idle = trio.Event() if self.in_flight == 1 else self.idle
+    # ----- bookkeeping of work in flight, for drain ----------------------
+
+    def _begin(self) -> None:
+        if self._active == 0:
+            self.idle = trio.Event()
+        self._active += 1
+
+    def _end(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self.idle.set()
+
+    # ----- called by the filesystem --------------------------------------
+
+    def note_write(self, up: FileUpload, path: str, key: Callable[[], str],
+                   metadata: Callable[[], dict[str, str]], offset: int, end: int) -> None:
+        """Record a write of [offset, end); start uploading every part this write completed."""
+        if end <= offset:
+            return
+        up.clock += 1
+        first, last = self.plan.part_at(offset), self.plan.part_at(end - 1)
+        for n in range(first, last + 1):
+            up.touched[n] = up.clock
+        if end <= self.plan.base_size or self.nursery is None:
+            return  # a file of one part goes up with a single PUT at close
+        if up.touched.get(1) is not None and 1 not in up.parts and 1 not in up.sending:
+            first = 1  # the file just outgrew one part: part 1 may have been completed earlier
+        for n in range(first, last + 1):
+            r = self.plan.part(n)
+            if r.end <= end and n not in up.sending:
+                up.sending[n] = trio.Event()
+                self._begin()
+                self.nursery.start_soon(self._stream_part, up, path, key(), metadata(), r)
+
+    def note_truncate(self, up: FileUpload, size: int) -> None:
+        """Parts reaching past `size` changed (cut, or zero-filled when the file grows back)."""
+        up.clock += 1
+        for n, rec in up.parts.items():
+            if rec.end > size:
+                up.touched[n] = up.clock
+
+    async def finish(self, up: FileUpload, path: str, key: str, size: int,
+                     metadata: dict[str, str]) -> UploadResult:
+        """Upload what is missing and complete; returns once the object is complete and verified."""
+        self._begin()
         try:
-            if size <= self.plan.base_size:
-                body = await trio.to_thread.run_sync(os.pread, fd, size, 0)
-                if len(body) != size:
-                    raise UploadError(f"staged file for {key} is shorter than {size} bytes")
-                etag = await self.s3.put(key, body, metadata)
-                expected = f'"{hashlib.md5(body).hexdigest()}"'
-                parts = 1
-            else:
-                etag, expected, parts = await self._multipart(fd, key, size, metadata)
-            await self._verify(key, size, etag, expected)
-            return UploadResult(etag, parts)
+            await self._wait_sending(up)
+            if up.upload_id is not None and up.key != key:
+                await self.abort(up)  # renamed while open: start over under the new name
+            fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if size <= self.plan.base_size and up.upload_id is None:
+                    result = await self._put(fd, key, size, metadata)
+                else:
+                    result = await self._complete(up, fd, key, size, metadata)
+            finally:
+                os.close(fd)
+            return result
         except S3Error as exc:
+            await self.abort(up)
             if isinstance(exc, UploadError):
                 raise
             raise UploadError(str(exc), exc.code) from None
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self.idle.set()
-
-    async def _multipart(self, fd: int, key: str, size: int,
-                         metadata: dict[str, str]) -> tuple[str, str, int]:
-        ranges = self.plan.ranges(size)
-        upload_id = await self.s3.create_multipart(key, metadata)
-        try:
-            done: dict[int, tuple[str, bytes]] = {}
-            limiter = trio.CapacityLimiter(self.concurrency)
-
-            async def send(number: int, start: int, length: int) -> None:
-                def read() -> bytes:
-                    data = os.pread(fd, length, start)
-                    if len(data) != length:
-                        raise UploadError(f"staged file for {key} is shorter than {size} bytes")
-                    return data
-                async with limiter:
-                    done[number] = await self.s3.upload_part_from(key, upload_id, number, read)
-
-            async with trio.open_nursery() as nursery:
-                for r in ranges:
-                    nursery.start_soon(send, r.number, r.start, r.size)
-            parts: list[dict[str, Any]] = [{"ETag": done[n][0], "PartNumber": n} for n in sorted(done)]
-            etag = await self.s3.complete_multipart(key, upload_id, parts)
-            return etag, multipart_etag([done[n][1] for n in sorted(done)]), len(parts)
         except BaseException:
-            with trio.CancelScope(shield=True), contextlib.suppress(S3Error):
-                await self.s3.abort_multipart(key, upload_id)
+            await self.abort(up)
             raise
+        finally:
+            self._end()
 
-    async def _verify(self, key: str, size: int, etag: str, expected: str) -> None:
-        """Confirm the object under `key` is the one just written, whole."""
+    async def abort(self, up: FileUpload) -> None:
+        """Forget the file's multipart upload and abort it in S3 (so it costs nothing)."""
+        await self._wait_sending(up)
+        upload_id, key = up.upload_id, up.key
+        up.upload_id = up.key = up.metadata = None
+        up.parts.clear()
+        if upload_id is not None and key is not None:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.s3.abort_multipart(key, upload_id)
+                except S3Error as exc:
+                    log.warning("could not abort the multipart upload of %s: %s", key, exc)
+
+    # ----- internals -----------------------------------------------------
+
+    async def _wait_sending(self, up: FileUpload) -> None:
+        for event in list(up.sending.values()):
+            await event.wait()
+
+    async def _put(self, fd: int, key: str, size: int, metadata: dict[str, str]) -> UploadResult:
+        body = await trio.to_thread.run_sync(os.pread, fd, size, 0)
+        if len(body) != size:
+            raise UploadError(f"staged file for {key} is shorter than {size} bytes")
+        etag = await self.s3.put(key, body, metadata)
+        await self._verify(key, size, etag, zlib.crc32(body))
+        return UploadResult(etag, 1)
+
+    async def _ensure_created(self, up: FileUpload, key: str, metadata: dict[str, str]) -> str:
+        async with up.create_lock:
+            if up.upload_id is None:
+                # No mtime: it is not known while the file is still written, and an object
+                # without one shows its LastModified (the completion time) instead.
+                up.metadata = _without_mtime(metadata)
+                up.upload_id = await self.s3.create_multipart(key, up.metadata)
+                up.key = key
+            return up.upload_id
+
+    async def _send_part(self, up: FileUpload, fd: int, key: str, upload_id: str, r: PartRange) -> None:
+        generation = up.clock  # taken before the bytes are read: a later write makes it stale
+
+        def send() -> tuple[str, int]:
+            crc = _crc_of_range(fd, r.start, r.size)
+            return self.s3.upload_part_sync(key, upload_id, r.number, FileRange(fd, r.start, r.size),
+                                            crc), crc
+
+        async with self.parts_limiter:
+            for attempt in range(_PART_ATTEMPTS):
+                try:
+                    etag, crc = await trio.to_thread.run_sync(send, limiter=self.s3.limiter)
+                    break
+                except S3Error as exc:
+                    # boto3 already retried transient faults; this also covers a part the
+                    # server rejected for a checksum mismatch (corrupted on the way).
+                    if attempt == _PART_ATTEMPTS - 1:
+                        raise
+                    self.part_retries += 1
+                    log.warning("part %d of %s failed, sending it again: %s", r.number, key, exc)
+                    await trio.sleep(0.2 * 2 ** attempt)
+        if up.upload_id == upload_id:
+            up.parts[r.number] = PartRecord(r.start, r.end, etag, crc, generation)
+            self.parts_sent += 1
+
+    async def _stream_part(self, up: FileUpload, path: str, key: str, metadata: dict[str, str],
+                           r: PartRange) -> None:
+        """Background upload of one completed part; failures are left for finish() to retry."""
         try:
-            info = await self.s3.head(key)
+            upload_id = await self._ensure_created(up, key, metadata)
+            if up.key != key:
+                return
+            fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                await self._send_part(up, fd, key, upload_id, r)
+            finally:
+                os.close(fd)
+        except (S3Error, OSError) as exc:
+            log.debug("streamed part %d of %s failed, finish() will resend it: %s", r.number, key, exc)
+        finally:
+            up.sending.pop(r.number).set()
+            self._end()
+
+    async def _complete(self, up: FileUpload, fd: int, key: str, size: int,
+                        metadata: dict[str, str]) -> UploadResult:
+        upload_id = await self._ensure_created(up, key, metadata)
+        ranges = self.plan.ranges(size)
+        for _ in range(3):  # a part rewritten while it was sent is sent again
+            missing = [r for r in ranges if not up.current(r)]
+            if not missing:
+                break
+            with raise_first_error():
+                async with trio.open_nursery() as nursery:
+                    for r in missing:
+                        nursery.start_soon(self._send_part, up, fd, key, upload_id, r)
+        else:
+            raise UploadError(f"parts of {key} kept changing while they were uploaded")
+        records = [up.parts[r.number] for r in ranges]
+        parts: list[dict[str, Any]] = [
+            {"ETag": rec.etag, "PartNumber": r.number, "ChecksumCRC32": b64_crc32(rec.crc)}
+            for rec, r in zip(records, ranges)]
+        crc = crc32_of_parts([(rec.crc, r.size) for rec, r in zip(records, ranges)])
+        etag = await self.s3.complete_multipart(key, upload_id, parts, crc)
+        up.upload_id = up.key = None
+        up.parts.clear()
+        if up.metadata != _without_mtime(metadata):  # mode or owner changed while it was written
+            etag = await self.s3.copy(key, key, size, metadata)
+        up.metadata = None
+        await self._verify(key, size, etag, crc)
+        return UploadResult(etag, len(parts))
+
+    async def _verify(self, key: str, size: int, etag: str, crc: int) -> None:
+        """Confirm the object under `key` is the one just written, whole, by size and CRC32."""
+        try:
+            info = await self.s3.head(key, checksum=True)
         except NoSuchKey:
             raise UploadError(f"{key} is missing right after its upload") from None
         if info.size != size:
             raise UploadError(f"{key} has {info.size} bytes in S3, expected {size}")
         if etag and info.etag != etag:
             raise UploadError(f"{key} changed during its upload (ETag {info.etag}, expected {etag})")
-        if etag.strip('"') != expected.strip('"'):
-            # Servers that use other ETag schemes (SSE-KMS, some gateways) are only size-checked.
-            log.debug("ETag of %s is %s, not the MD5-derived %s", key, etag, expected)
+        if info.checksum_crc32 is None:
+            log.debug("%s has no stored CRC32 to check; size checked only", key)
+        elif info.checksum_crc32 != b64_crc32(crc):
+            raise UploadError(f"{key} has CRC32 {info.checksum_crc32} in S3, expected {b64_crc32(crc)}")

@@ -16,6 +16,9 @@ class FaultProxy:
         self.fail_methods: set[str] = set()
         self.fail_status = 403
         self.failed = 0
+        self.corrupt_parts = 0  # flip a byte in the body of this many UploadPart requests
+        self.corrupted = 0
+        self.lock = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -37,6 +40,14 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(msg)
                     return
+                if self.command == "PUT" and "partNumber=" in self.path and body:
+                    with proxy.lock:
+                        corrupt = proxy.corrupt_parts > 0
+                        if corrupt:
+                            proxy.corrupt_parts -= 1
+                            proxy.corrupted += 1
+                    if corrupt:
+                        body = bytes([body[0] ^ 0xFF]) + body[1:]
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
                 try:
                     conn.request(self.command, self.path, body=body,
