@@ -43,8 +43,15 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--foreground", action="store_const", const=True, help="stay attached (for systemd)")
     m.add_argument("--allow-other", action="store_const", const=True, help="let other users access the mount")
     m.add_argument("--read-only", action="store_const", const=True)
+    m.add_argument("--durability", help="close (default: close() returns when the file is in S3) "
+                   "or async (close() returns once staged; `ckptfs sync` waits for S3)")
+    m.add_argument("--drain-timeout", help="seconds unmount waits for pending uploads (default 600)")
     m.add_argument("--log-level", help="debug, info, warning or error")
     m.add_argument("--config", help="TOML file of these options (underscored names)")
+
+    y = sub.add_parser("sync", help="wait until every closed file under PATH is in S3")
+    y.add_argument("mountpoint")
+    y.add_argument("path", nargs="?", default="", help="a file or directory in the mount (default: all)")
 
     u = sub.add_parser("unmount", help="finish uploads and unmount")
     u.add_argument("mountpoint")
@@ -113,6 +120,33 @@ def _spawn_daemon(config: Config) -> int:
     return 1
 
 
+def _sync(mountpoint: str, path: str) -> int:
+    from ckptfs import control, daemon
+
+    mountpoint = os.path.abspath(mountpoint)
+    if not daemon.is_mounted(mountpoint):
+        raise MountError(f"{mountpoint} is not mounted")
+    rel = ""
+    if path:
+        full = os.path.abspath(path if os.path.isabs(path) or path.startswith(".") else
+                               os.path.join(mountpoint, path))
+        if full != mountpoint and not full.startswith(mountpoint + "/"):
+            raise ConfigError(f"{path} is not inside {mountpoint}")
+        rel = os.path.relpath(full, mountpoint).strip(".") if full != mountpoint else ""
+    show = sys.stderr.isatty()
+    if show:
+        sys.stderr.write(f"ckptfs: waiting for uploads under {mountpoint}/{rel}...\r")
+    reply = control.request(daemon.control_path(mountpoint), {"op": "sync", "path": rel})
+    if show:
+        sys.stderr.write("\x1b[2K")
+    failed = reply.get("failed", [])
+    if failed:
+        first_path, reason = failed[0]
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        raise MountError(f"upload of {first_path} failed: {reason}{more}")
+    return 0
+
+
 def _alive(pid: int) -> bool:
     """True while `pid` runs; a zombie (exited, not yet reaped by its parent) has finished."""
     try:
@@ -159,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             return _mount(_mount_config(args))
         if args.command == "unmount":
             return _unmount(args.mountpoint, args.timeout)
+        if args.command == "sync":
+            return _sync(args.mountpoint, args.path)
     except ConfigError as exc:
         sys.stderr.write(f"{PROG}: {exc}\n")
         return 2

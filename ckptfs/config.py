@@ -26,6 +26,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 # Bucket names as S3 allows them (the dotted, 3-63 character form).
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DURABILITY = ("close", "async")
 
 
 def parse_size(text: str | int) -> int:
@@ -68,12 +69,14 @@ class Config:
     region: str | None = None
     profile: str | None = None
     part_size: int = 16 * MiB
-    concurrency: int = 16
+    concurrency: int = 8
     cache_size: int = 8 * GiB
     foreground: bool = False
     allow_other: bool = False
     read_only: bool = False
     log_level: str = "info"
+    durability: str = "close"
+    drain_timeout: float = 600.0
     # Not options yet: how long S3 answers about names stay trusted.
     metadata_ttl: float = 1.0
 
@@ -94,6 +97,10 @@ class Config:
             raise ConfigError("--part-size must be between 5MiB and 5GiB")
         if not 1 <= self.concurrency <= 256:
             raise ConfigError("--concurrency must be between 1 and 256")
+        if self.durability not in DURABILITY:
+            raise ConfigError(f"--durability must be one of {', '.join(DURABILITY)}")
+        if not self.drain_timeout > 0:
+            raise ConfigError("--drain-timeout must be a positive number of seconds")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         mountpoint = os.path.abspath(self.mountpoint)
@@ -108,6 +115,7 @@ OPTION_KEYS = tuple(k for k in _FIELDS if k != "metadata_ttl")
 _SIZE_KEYS = {"part_size", "cache_size"}
 _BOOL_KEYS = {"foreground", "allow_other", "read_only"}
 _INT_KEYS = {"concurrency"}
+_FLOAT_KEYS = {"drain_timeout"}
 
 
 def coerce(key: str, value: object) -> object:
@@ -125,6 +133,13 @@ def coerce(key: str, value: object) -> object:
             return int(value)
         except ValueError:
             raise ConfigError(f"config key {key!r} must be an integer") from None
+    if key in _FLOAT_KEYS:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"config key {key!r} must be a number")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"config key {key!r} must be a number") from None
     if not isinstance(value, str):
         raise ConfigError(f"config key {key!r} must be a string")
     return value

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import pyfuse3
 import trio
 
+from ckptfs import control
 from ckptfs.config import Config
 from ckptfs.errors import MountError
 from ckptfs.fs import CheckpointFS
@@ -41,6 +42,10 @@ def state_path(mountpoint: str) -> str:
     """Where the daemon of `mountpoint` records its pid, for `ckptfs unmount`."""
     digest = hashlib.sha256(os.path.realpath(mountpoint).encode()).hexdigest()[:16]
     return os.path.join(runtime_dir(), f"{digest}.json")
+
+
+def control_path(mountpoint: str) -> str:
+    return state_path(mountpoint)[:-len(".json")] + ".sock"
 
 
 def is_mounted(path: str) -> bool:
@@ -117,6 +122,7 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
         uploader=Uploader(s3, PartPlan(config.part_size), config.concurrency),
         reader=ChunkReader(s3), uid=os.getuid(), gid=os.getgid(), read_only=config.read_only,
         metadata_ttl=config.metadata_ttl, local_copy_budget=config.cache_size,
+        durability=config.durability,
     )
     options = set(pyfuse3.default_options)
     options |= {f"fsname=ckptfs:{config.bucket}/{config.prefix}", "subtype=ckptfs"}
@@ -127,6 +133,7 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
     # Nothing may touch the mount point between init and main: the kernel would
     # ask this very process to answer, and it is not listening yet.
     state = state_path(config.mountpoint)
+    control_sock = control_path(config.mountpoint)
     try:
         pyfuse3.init(fs, config.mountpoint, options)
     except RuntimeError as exc:
@@ -138,8 +145,9 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
         log.info("mounted s3://%s/%s at %s (cache %s)", config.bucket, config.prefix,
                  config.mountpoint, config.cache_dir)
         async with trio.open_nursery() as nursery:
-            fs.reader.nursery = fs.uploader.nursery = nursery
-            nursery.start_soon(_watch_signals, fs)
+            fs.reader.nursery = fs.uploader.nursery = fs.queue.nursery = nursery
+            await nursery.start(control.serve, control_sock, _control_handlers(fs))
+            nursery.start_soon(_watch_signals, fs, config.drain_timeout)
             notify(READY)
             await pyfuse3.main()
             # No journal resumes them yet: abort what files never closed left open in S3.
@@ -155,17 +163,30 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
         log.error("%d files were never uploaded (not closed, or their upload failed); "
                   "their staged copies are kept under %s", len(pending), staging.dir)
         return 1
-    log.info("unmounted %s", config.mountpoint)
+    log.info("unmounted %s (%d write requests, %d parts streamed)", config.mountpoint,
+             fs.write_calls, fs.uploader.parts_sent)
     return 0
 
 
-async def _watch_signals(fs: CheckpointFS) -> None:
+def _control_handlers(fs: CheckpointFS) -> dict:
+    async def sync(request: dict) -> dict:
+        failed = await fs.queue.wait(str(request.get("path", "")))
+        return {"failed": failed}
+    return {"sync": sync}
+
+
+async def _watch_signals(fs: CheckpointFS, drain_timeout: float) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s: refusing new writes, finishing uploads",
                      signal.Signals(signum).name)
             fs.draining = True
-            await fs.uploader.idle.wait()
+            with trio.move_on_after(drain_timeout) as scope:
+                await fs.queue.drain()
+                await fs.uploader.idle.wait()
+            if scope.cancelled_caught:
+                log.error("drain timeout (%.0fs) reached with %d uploads pending",
+                          drain_timeout, len(fs.queue.pending()))
             pyfuse3.terminate()
             return
 

@@ -23,6 +23,7 @@ from ckptfs.errors import CkptfsError, NoSuchKey, UploadError, raise_first_error
 from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
 from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace, object_metadata
 from ckptfs.prefetch import ChunkReader, ReadStream
+from ckptfs.queue import UploadQueue
 from ckptfs.s3 import S3Client
 from ckptfs.staging import LocalCopies, StagingArea
 from ckptfs.uploader import Uploader
@@ -76,7 +77,7 @@ class CheckpointFS(pyfuse3.Operations):
 
     def __init__(self, *, s3: S3Client, prefix: str, staging: StagingArea, uploader: Uploader,
                  reader: ChunkReader, uid: int, gid: int, read_only: bool, metadata_ttl: float,
-                 local_copy_budget: int) -> None:
+                 local_copy_budget: int, durability: str = "close") -> None:
         super().__init__()
         self.s3 = s3
         self.table = InodeTable(prefix, uid, gid)
@@ -88,6 +89,9 @@ class CheckpointFS(pyfuse3.Operations):
         self.ttl = metadata_ttl
         self.local_copies = LocalCopies(local_copy_budget)
         self.draining = False
+        self.durability = durability
+        self.queue = UploadQueue(self._commit_in_background, self.table.path_of)
+        self.write_calls = 0
         self._handles: dict[int, Handle | DirHandle] = {}
         self._next_fh = 1
 
@@ -189,7 +193,10 @@ class CheckpointFS(pyfuse3.Operations):
                 self._drop_local_copy(other)
 
     async def commit(self, inode: Inode) -> None:
-        """Make the inode's staged bytes the object in S3; returns when it is complete and verified."""
+        """Make the inode's staged bytes the object in S3; returns when it is complete and verified.
+
+        Raises UploadError (EIO at the FUSE boundary); the staged bytes are kept either way.
+        """
         if inode.unlinked or not inode.dirty:
             return
         async with inode.upload_lock:
@@ -204,7 +211,7 @@ class CheckpointFS(pyfuse3.Operations):
             except UploadError as exc:
                 log.error("upload of %s failed, staged copy kept at %s: %s",
                           key, inode.staged.path, exc)
-                raise _fail(errno.EIO) from None
+                raise
             inode.etag = inode.page_etag = result.etag
             inode.meta_known = True
             inode.validated_at = time.monotonic()
@@ -212,6 +219,11 @@ class CheckpointFS(pyfuse3.Operations):
                 inode.dirty = False
             log.debug("uploaded %s (%d bytes, %d parts) in %.2fs", key, inode.size, result.parts,
                       time.monotonic() - started)
+
+    async def _commit_in_background(self, inode: Inode) -> None:
+        await self.commit(inode)
+        if inode.open_handles == 0 and inode.staged is not None and not inode.is_local:
+            self._keep_local_copy(inode)
 
     async def _persist_metadata(self, inode: Inode) -> None:
         """Write changed mode/owner/mtime of a clean object back to S3."""
@@ -288,8 +300,11 @@ class CheckpointFS(pyfuse3.Operations):
         if meta_changed:
             node.ctime_ns = time.time_ns()
             await self._persist_metadata(node)
-        if fields.update_size and node.writers == 0:
-            await self.commit(node)  # truncate(2) by path: no close() will follow
+        if fields.update_size and node.writers == 0:  # truncate(2) by path: no close() will follow
+            if self.durability == "async":
+                self.queue.add(node)
+            else:
+                await self.commit(node)
         return self._attrs(node)
 
     @_guarded
@@ -595,6 +610,7 @@ class CheckpointFS(pyfuse3.Operations):
         node = self._file_handle(fh).inode
         if node.staged is None:
             raise _fail(errno.EBADF)
+        self.write_calls += 1
         written = node.staged.pwrite(buf, off)
         if off + written > node.size:
             node.size = off + written
@@ -606,12 +622,22 @@ class CheckpointFS(pyfuse3.Operations):
     @_guarded
     async def flush(self, fh: int) -> None:
         handle = self._file_handle(fh)
-        if handle.writable:
+        if not handle.writable:
+            return
+        if self.durability == "async":
+            self.queue.add(handle.inode)  # staged on local disk; S3 follows in the background
+        else:
             await self.commit(handle.inode)
 
     @_guarded
     async def fsync(self, fh: int, datasync: bool) -> None:
-        await self.commit(self._file_handle(fh).inode)
+        node = self._file_handle(fh).inode
+        if self.durability == "async":
+            if node.staged is not None:
+                await trio.to_thread.run_sync(os.fsync, node.staged.fd)
+            self.queue.add(node)
+        else:
+            await self.commit(node)
 
     @_guarded
     async def release(self, fh: int) -> None:

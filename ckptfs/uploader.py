@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 20
 _PART_ATTEMPTS = 3
+# Parts up to this size are sent from memory; larger ones stream from the staging file.
+_IN_MEMORY_PART = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,14 @@ class Uploader:
         generation = up.clock  # taken before the bytes are read: a later write makes it stale
 
         def send() -> tuple[str, int]:
+            if r.size <= _IN_MEMORY_PART:
+                # One read into memory, then checksum, signing and send all work on it: on
+                # small machines the extra passes over the staging file cost more than the RAM.
+                body = os.pread(fd, r.size, r.start)
+                if len(body) != r.size:
+                    raise UploadError("the staged file is shorter than its recorded size")
+                crc = zlib.crc32(body)
+                return self.s3.upload_part_sync(key, upload_id, r.number, body, crc), crc
             crc = _crc_of_range(fd, r.start, r.size)
             return self.s3.upload_part_sync(key, upload_id, r.number, FileRange(fd, r.start, r.size),
                                             crc), crc

@@ -1,0 +1,311 @@
+"""Write-path benchmark: ckptfs against its peers on one local SeaweedFS, in one run.
+
+    .venv/bin/python bench/write_bench.py [--sizes 1,4] [--torch-gib 1] [--skip-peers]
+
+For each workload (random-byte files of the given GiB sizes, and a torch.save of a state
+dict) it times: a copy to local disk; boto3 upload_file from local disk (tuned
+TransferConfig); local save then boto3 upload; s3fs-fuse write+close; rclone mount
+(--vfs-cache-mode writes) write+close and time until the object is in S3; ckptfs in
+close mode. It prints seconds, MiB/s, the acceptance ratios, and the ckptfs daemon's CPU
+seconds and peak RSS. Needs root (drop_caches, mounts) and Debian's s3fs and rclone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+
+from ckptfs import devserver
+
+MiB = 1 << 20
+GiB = 1 << 30
+CHUNK = 4 * MiB
+TUNED = TransferConfig(multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=16)
+
+
+@dataclass
+class Row:
+    workload: str
+    method: str
+    seconds: float
+    size: int
+    note: str = ""
+
+    @property
+    def mib_s(self) -> float:
+        return self.size / MiB / self.seconds if self.seconds else 0.0
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def is_mount(path: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == os.path.realpath(path) for line in f)
+
+
+def wait_mount(path: str, proc: subprocess.Popen | None = None, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not is_mount(path):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"mount of {path} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} did not mount")
+        time.sleep(0.1)
+
+
+def unmount(path: str) -> None:
+    for args in (["fusermount3", "-u", path], ["fusermount", "-u", path], ["fusermount3", "-uz", path]):
+        if not is_mount(path):
+            return
+        subprocess.run(args, capture_output=True)
+        time.sleep(0.2)
+
+
+class Bench:
+    def __init__(self, work: str, server: devserver.DevServer) -> None:
+        self.work = work
+        self.server = server
+        self.s3 = server.client()
+        self.env = devserver.client_env(server.endpoint)
+        self.rows: list[Row] = []
+        self.daemon_stats: dict[str, str] = {}
+        self._n = 0
+
+    def path(self, name: str) -> str:
+        self._n += 1
+        p = os.path.join(self.work, f"{name}-{self._n}")
+        return p
+
+    def object_size(self, key: str) -> int | None:
+        try:
+            return self.s3.head_object(Bucket=self.server.bucket, Key=key)["ContentLength"]
+        except Exception:
+            return None
+
+    # ----- writers: each writes the workload to a path and returns when close() returned
+
+    @staticmethod
+    def copy_writer(src: str) -> Callable[[str], None]:
+        def write(dst: str) -> None:
+            with open(src, "rb") as fin, open(dst, "wb") as fout:
+                while chunk := fin.read(CHUNK):
+                    fout.write(chunk)
+        return write
+
+    @staticmethod
+    def torch_writer(state: dict) -> Callable[[str], None]:
+        import torch
+
+        def write(dst: str) -> None:
+            torch.save(state, dst)
+        return write
+
+    # ----- methods
+
+    def local(self, workload: str, write: Callable[[str], None], size: int) -> str:
+        dst = self.path("local.out")
+        drop_caches()
+        t = time.monotonic()
+        write(dst)
+        self.rows.append(Row(workload, "a. local disk (write+close)", time.monotonic() - t, size))
+        return dst
+
+    def boto_upload(self, workload: str, src: str, size: int) -> None:
+        key = f"boto/{workload}-{self._n}"
+        t = time.monotonic()
+        self.s3.upload_file(src, self.server.bucket, key, Config=TUNED)
+        self.rows.append(Row(workload, "b. boto3 upload_file (tuned)", time.monotonic() - t, size))
+
+    def save_then_upload(self, workload: str, write: Callable[[str], None], size: int) -> None:
+        dst = self.path("stu.out")
+        drop_caches()
+        t = time.monotonic()
+        write(dst)
+        self.s3.upload_file(dst, self.server.bucket, f"stu/{workload}-{self._n}", Config=TUNED)
+        self.rows.append(Row(workload, "c. local save, then boto3 upload", time.monotonic() - t, size))
+        os.unlink(dst)
+
+    def ckptfs(self, workload: str, write: Callable[[str], None], size: int) -> None:
+        mnt = self.path("ckptfs-mnt")
+        os.mkdir(mnt)
+        cache = self.path("ckptfs-cache")
+        r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{self.server.bucket}/ck",
+                            mnt, "--cache-dir", cache], env=self.env, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"ckptfs mount failed: {r.stderr}")
+        try:
+            import json
+            pid = json.load(open(self._state_file(mnt)))["pid"]
+            cpu0 = self._cpu(pid)
+            drop_caches()
+            t = time.monotonic()
+            write(os.path.join(mnt, f"{workload}.bin"))
+            elapsed = time.monotonic() - t
+            assert self.object_size(f"ck/{workload}.bin") == size, "object missing after close"
+            cpu = self._cpu(pid) - cpu0
+            rss = self._peak_rss(pid)
+            self.rows.append(Row(workload, "f. ckptfs close mode (close = in S3)", elapsed, size,
+                                 f"daemon {cpu:.1f} CPU s, peak RSS {rss / MiB:.0f} MiB"))
+        finally:
+            subprocess.run([sys.executable, "-m", "ckptfs", "unmount", mnt], env=self.env,
+                           capture_output=True)
+            unmount(mnt)
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def s3fs(self, workload: str, write: Callable[[str], None], size: int) -> None:
+        mnt = self.path("s3fs-mnt")
+        os.mkdir(mnt)
+        passwd = self.path("s3fs-passwd")
+        with open(passwd, "w") as f:
+            f.write(f"{devserver.ACCESS_KEY}:{devserver.SECRET_KEY}\n")
+        os.chmod(passwd, 0o600)
+        subprocess.run(["s3fs", f"{self.server.bucket}:/s3fs", mnt, "-o", f"url={self.server.endpoint}",
+                        "-o", "use_path_request_style", "-o", f"passwd_file={passwd}"],
+                       check=True, env=self.env)
+        try:
+            wait_mount(mnt)
+            drop_caches()
+            t = time.monotonic()
+            write(os.path.join(mnt, f"{workload}.bin"))
+            elapsed = time.monotonic() - t
+            self.rows.append(Row(workload, "d. s3fs-fuse (write+close)", elapsed, size))
+        finally:
+            unmount(mnt)
+
+    def rclone(self, workload: str, write: Callable[[str], None], size: int) -> None:
+        mnt = self.path("rclone-mnt")
+        os.mkdir(mnt)
+        env = dict(self.env, RCLONE_CONFIG_BENCH_TYPE="s3", RCLONE_CONFIG_BENCH_PROVIDER="Other",
+                   RCLONE_CONFIG_BENCH_ENDPOINT=self.server.endpoint,
+                   RCLONE_CONFIG_BENCH_ACCESS_KEY_ID=devserver.ACCESS_KEY,
+                   RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY=devserver.SECRET_KEY)
+        proc = subprocess.Popen(["rclone", "mount", f"bench:{self.server.bucket}/rclone", mnt,
+                                 "--vfs-cache-mode", "writes", "--cache-dir", self.path("rclone-cache")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        key = f"rclone/{workload}.bin"
+        try:
+            wait_mount(mnt, proc)
+            drop_caches()
+            t = time.monotonic()
+            write(os.path.join(mnt, f"{workload}.bin"))
+            closed = time.monotonic() - t
+            while self.object_size(key) != size:
+                time.sleep(0.05)
+                if time.monotonic() - t > 1800:
+                    raise RuntimeError("rclone never uploaded")
+            durable = time.monotonic() - t
+            self.rows.append(Row(workload, "e. rclone mount (write+close)", closed, size))
+            self.rows.append(Row(workload, "e. rclone mount (until in S3)", durable, size))
+        finally:
+            unmount(mnt)
+            proc.terminate()
+            proc.wait(30)
+
+    @staticmethod
+    def _state_file(mnt: str) -> str:
+        from ckptfs.daemon import state_path
+        return state_path(mnt)
+
+    @staticmethod
+    def _cpu(pid: int) -> float:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _peak_rss(pid: int) -> int:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+
+def run_workload(bench: Bench, workload: str, write: Callable[[str], None], skip_peers: bool) -> None:
+    local = bench.local(workload, write, 0)
+    size = os.path.getsize(local)
+    bench.rows[-1].size = size
+    bench.boto_upload(workload, local, size)
+    os.unlink(local)
+    bench.save_then_upload(workload, write, size)
+    if not skip_peers:
+        bench.s3fs(workload, write, size)
+        bench.rclone(workload, write, size)
+    bench.ckptfs(workload, write, size)
+
+
+def report(bench: Bench) -> str:
+    lines = [f"ckptfs write benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()}: "
+             f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, "
+             "SeaweedFS on loopback", ""]
+    lines.append(f"| workload | method | seconds | MiB/s | notes |")
+    lines.append("|---|---|---:|---:|---|")
+    for row in bench.rows:
+        lines.append(f"| {row.workload} | {row.method} | {row.seconds:.2f} | {row.mib_s:.0f} | {row.note} |")
+    lines.append("")
+    by = {(r.workload, r.method[:2]): r.seconds for r in bench.rows}
+    for workload in dict.fromkeys(r.workload for r in bench.rows):
+        f, b, a, d = (by.get((workload, k)) for k in ("f.", "b.", "a.", "d."))
+        parts = []
+        if f and b:
+            parts.append(f"ckptfs close / boto3 upload_file = {f / b:.2f} (target <= 1.15)")
+        if f and d:
+            parts.append(f"s3fs / ckptfs close = {d / f:.2f} (target >= 1.5)")
+        if f and a:
+            parts.append(f"ckptfs close / local disk = {f / a:.2f}")
+        lines.append(f"- {workload}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,4", help="GiB sizes of the random-byte files")
+    ap.add_argument("--torch-gib", type=float, default=1.0, help="state dict size for torch.save (0: skip)")
+    ap.add_argument("--skip-peers", action="store_true", help="no s3fs / rclone")
+    ap.add_argument("--work", default="/var/tmp", help="where the benchmark puts its files")
+    args = ap.parse_args()
+    if not args.skip_peers:
+        missing = [t for t in ("s3fs", "rclone") if shutil.which(t) is None]
+        if missing:
+            print(f"bench: install the peers first: apt-get install {' '.join(missing)}", file=sys.stderr)
+            return 2
+    work = tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.work)
+    server = devserver.start(os.path.join(work, "s3"), bucket="bench")
+    bench = Bench(work, server)
+    try:
+        for gib in [float(x) for x in args.sizes.split(",") if x]:
+            src = os.path.join(work, f"random-{gib:g}g.bin")
+            with open(src, "wb") as f:
+                for _ in range(int(gib * GiB) // (64 * MiB)):
+                    f.write(os.urandom(64 * MiB))
+            run_workload(bench, f"{gib:g} GiB file", bench.copy_writer(src), args.skip_peers)
+            os.unlink(src)
+            print(report(bench), flush=True)
+        if args.torch_gib:
+            import torch
+            per = 64 * MiB // 4
+            state = {f"layer{i}": torch.randn(per) for i in range(int(args.torch_gib * GiB) // (64 * MiB))}
+            run_workload(bench, f"torch.save {args.torch_gib:g} GiB", bench.torch_writer(state), args.skip_peers)
+        print()
+        print(report(bench))
+        return 0
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The control socket behind `ckptfs sync` (and later `status`): one JSON line each way.
+
+The socket lives in the runtime dir with mode 0600, so only the mount's owner can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from typing import Any
+
+import trio
+
+from ckptfs.errors import MountError
+
+log = logging.getLogger(__name__)
+
+
+async def serve(path: str, handlers: dict[str, Any], task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Answer requests on a unix socket at `path` until cancelled."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        await sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    listener = trio.SocketListener(sock)
+    task_status.started()
+
+    async def one(stream: trio.SocketStream) -> None:
+        async with stream:
+            buf = b""
+            while b"\n" not in buf:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    return
+                buf += chunk
+            try:
+                request = json.loads(buf.split(b"\n", 1)[0])
+                handler = handlers[request["op"]]
+                reply = await handler(request)
+            except (ValueError, KeyError) as exc:
+                reply = {"error": f"bad request: {exc}"}
+            await stream.send_all(json.dumps(reply).encode() + b"\n")
+
+    try:
+        await trio.serve_listeners(one, [listener])
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def request(path: str, message: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    """Send one request to the daemon and return its reply (blocking)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+        except OSError as exc:
+            raise MountError(f"cannot reach the ckptfs daemon ({exc.strerror})") from None
+        s.sendall(json.dumps(message).encode() + b"\n")
+        buf = b""
+        while b"\n" not in buf:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise MountError("the ckptfs daemon closed the control connection")
+            buf += chunk
+    reply = json.loads(buf.split(b"\n", 1)[0])
+    if "error" in reply:
+        raise MountError(reply["error"])
+    return reply

@@ -1,0 +1,106 @@
+"""Background uploads for `--durability async`: closed files go up while the writer moves on.
+
+A file queued here is retried with backoff until it is in S3 or unlinked; `wait()`
+(behind `ckptfs sync` and the drain at unmount) returns when every file under a
+path is in S3, or reports the ones whose latest attempt failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from ckptfs.errors import UploadError
+from ckptfs.inodes import Inode
+
+log = logging.getLogger(__name__)
+
+_BACKOFF_MAX = 30.0
+
+
+@dataclass(eq=False)
+class _Entry:
+    inode: Inode
+    attempts: int = 0
+    error: str | None = None
+
+
+class UploadQueue:
+    def __init__(self, commit: Callable[[Inode], Awaitable[None]],
+                 path_of: Callable[[Inode], str]) -> None:
+        self._commit = commit
+        self._path_of = path_of
+        self._pending: dict[int, _Entry] = {}
+        self._changed = trio.Event()
+        self.nursery: trio.Nursery | None = None
+        self.uploaded = 0
+
+    def pending(self) -> list[tuple[str, int, str | None]]:
+        """(path, size, last error) of every file not yet in S3."""
+        return [(self._path_of(e.inode), e.inode.size, e.error) for e in self._pending.values()]
+
+    def add(self, inode: Inode) -> None:
+        if inode.ino in self._pending or not inode.dirty or inode.unlinked:
+            return
+        assert self.nursery is not None, "the queue runs inside the daemon's nursery"
+        entry = self._pending[inode.ino] = _Entry(inode)
+        self.nursery.start_soon(self._run, entry)
+
+    async def _run(self, entry: _Entry) -> None:
+        inode = entry.inode
+        delay = 0.5
+        try:
+            while inode.dirty and not inode.unlinked:
+                try:
+                    await self._commit(inode)
+                    entry.error = None
+                    self.uploaded += 1
+                except UploadError as exc:
+                    entry.error = str(exc)
+                    entry.attempts += 1
+                    self._notify()
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, _BACKOFF_MAX)
+                    continue
+                if inode.dirty and inode.writers == 0:
+                    continue  # written again while it uploaded
+                break
+        finally:
+            self._pending.pop(inode.ino, None)
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self, path: str = "") -> list[tuple[str, str]]:
+        """Wait until everything pending under `path` is in S3 or has failed an attempt since now.
+
+        Returns (path, reason) for each file that failed; [] means all of it is in S3.
+        """
+        def under(entry: _Entry) -> bool:
+            p = self._path_of(entry.inode)
+            return not path or p == path or p.startswith(path.rstrip("/") + "/")
+
+        start = {ino: e.attempts for ino, e in self._pending.items() if under(e)}
+        while True:
+            failed, waiting = [], False
+            for ino, attempts in start.items():
+                entry = self._pending.get(ino)
+                if entry is None:
+                    continue
+                if entry.attempts > attempts:
+                    failed.append((self._path_of(entry.inode), entry.error or "upload failed"))
+                else:
+                    waiting = True
+            if not waiting:
+                return failed
+            await self._changed.wait()
+
+    async def drain(self) -> None:
+        """Return once nothing is pending (the caller bounds it with a deadline)."""
+        while self._pending:
+            await self._changed.wait()

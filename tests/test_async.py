@@ -1,0 +1,73 @@
+"""--durability async: close() returns once staged; `ckptfs sync` and unmount deliver to S3."""
+
+from __future__ import annotations
+
+import os
+
+from conftest import BUCKET, Mounter, run_ckptfs, s3_bytes, s3_keys
+
+
+def test_async_close_then_sync_puts_everything_in_s3(mounter: Mounter, s3, prefix: str) -> None:
+    mnt = mounter("--durability", "async", "--part-size", "5MiB")
+    files = {f"step_1/shard_{i}.pt": os.urandom((i + 1) * 3 * 1024 * 1024) for i in range(4)}
+    (mnt.path / "step_1").mkdir()
+    (mnt.path / "other").mkdir()
+    for name, data in files.items():
+        (mnt.path / name).write_bytes(data)
+    (mnt.path / "other" / "x").write_bytes(b"x")
+    with open(mnt.path / "step_1" / "fsynced.pt", "wb") as f:
+        f.write(b"durable on local disk")
+        os.fsync(f.fileno())
+    r = run_ckptfs("sync", str(mnt.path), "step_1")
+    assert r.returncode == 0, r.stderr
+    for name, data in files.items():
+        assert s3_bytes(s3, f"{prefix}/{name}") == data
+    assert s3_bytes(s3, f"{prefix}/step_1/fsynced.pt") == b"durable on local disk"
+    r = run_ckptfs("sync", str(mnt.path))
+    assert r.returncode == 0, r.stderr
+    assert s3_bytes(s3, f"{prefix}/other/x") == b"x"
+    assert (mnt.path / "step_1" / "shard_3.pt").read_bytes() == files["step_1/shard_3.pt"]
+
+
+def test_unmount_uploads_everything_first(mounter: Mounter, s3, prefix: str) -> None:
+    mnt = mounter("--durability", "async")
+    payloads = {f"f{i}.bin": os.urandom(2 * 1024 * 1024) for i in range(6)}
+    for name, data in payloads.items():
+        (mnt.path / name).write_bytes(data)
+    mnt.unmount()  # no sync: the drain at unmount delivers them
+    for name, data in payloads.items():
+        assert s3_bytes(s3, f"{prefix}/{name}") == data
+
+
+def test_sync_reports_failures_and_delivers_after_recovery(s3_server, tmp_path, s3, prefix: str) -> None:
+    from faultproxy import FaultProxy
+
+    with FaultProxy(s3_server.endpoint) as proxy:
+        via_proxy = type(s3_server)(proxy.endpoint, s3_server.proc, s3_server.data_dir,
+                                    s3_server.log_path, s3_server.bucket)
+        mounter = Mounter(via_proxy, tmp_path, prefix)
+        try:
+            mnt = mounter("--durability", "async")
+            proxy.fail_methods = {"PUT", "POST"}
+            (mnt.path / "a.bin").write_bytes(b"pending")  # close succeeds: it is staged
+            r = run_ckptfs("sync", str(mnt.path))
+            assert r.returncode == 1
+            assert r.stderr.count("\n") == 1 and "upload of a.bin failed" in r.stderr, r.stderr
+            assert f"{prefix}/a.bin" not in s3_keys(s3, prefix)
+            proxy.fail_methods = set()
+            r = run_ckptfs("sync", str(mnt.path))  # retries continue in the background
+            assert r.returncode == 0, r.stderr
+            assert s3_bytes(s3, f"{prefix}/a.bin") == b"pending"
+        finally:
+            proxy.fail_methods = set()
+            mounter.close()
+
+
+def test_sync_in_close_mode_returns_at_once_and_checks_its_arguments(mnt, tmp_path) -> None:
+    (mnt.path / "f").write_bytes(b"f")
+    assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    r = run_ckptfs("sync", str(mnt.path), str(tmp_path / "elsewhere"))
+    assert r.returncode == 2 and "is not inside" in r.stderr
+    r = run_ckptfs("sync", str(tmp_path))
+    assert r.returncode == 1 and "is not mounted" in r.stderr
+    assert BUCKET
