@@ -119,7 +119,8 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
     staging = StagingArea(config.cache_dir)
     fs = CheckpointFS(
         s3=s3, prefix=config.prefix, staging=staging,
-        uploader=Uploader(s3, PartPlan(config.part_size), config.concurrency),
+        uploader=Uploader(s3, PartPlan(config.part_size), config.concurrency,
+                          stream_while_writing=config.durability == "close"),
         reader=ChunkReader(s3), uid=os.getuid(), gid=os.getgid(), read_only=config.read_only,
         metadata_ttl=config.metadata_ttl, local_copy_budget=config.cache_size,
         durability=config.durability,

@@ -316,47 +316,40 @@ class CheckpointFS(pyfuse3.Operations):
             node.symlink_target = await self.s3.get_range(self.table.key_of(node), 0, node.size)
         return node.symlink_target
 
-    @_guarded
-    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
-                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def _make_entry(self, parent_inode: int, name: bytes, mode: int,
+                          ctx: pyfuse3.RequestContext, body: bytes) -> Inode:
+        """Create a new name whose object (`body`) is PUT now; nothing is left behind on failure."""
         self._check_writable()
         parent, child_name, existing = await self._child(parent_inode, name)
         if existing is not None:
             raise _fail(errno.EEXIST)
         now = time.time_ns()
-        node = self.table.add(parent.ino, child_name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
-                              mtime_ns=now, ctime_ns=now, atime_ns=now, meta_known=True)
-        node.symlink_target = target
-        node.size = len(target)
+        node = self.table.add(parent.ino, child_name, mode, ctx.uid, ctx.gid, mtime_ns=now,
+                              ctime_ns=now, atime_ns=now, meta_known=True)
+        if node.is_symlink:
+            node.symlink_target, node.size = body, len(body)
         try:
-            node.etag = await self.s3.put(self.table.key_of(node), target, object_metadata(node))
+            etag = await self.s3.put(self.table.key_of(node), body, object_metadata(node))
         except BaseException:
             self.table.detach(node)
             raise
+        if not node.is_dir:
+            node.etag = etag
         node.validated_at = time.monotonic()
+        parent.touch()
         node.lookups += 1
-        return self._attrs(node)
+        return node
+
+    @_guarded
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(await self._make_entry(parent_inode, name, stat.S_IFLNK | 0o777, ctx, target))
 
     @_guarded
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        self._check_writable()
-        parent, child_name, existing = await self._child(parent_inode, name)
-        if existing is not None:
-            raise _fail(errno.EEXIST)
-        now = time.time_ns()
-        node = self.table.add(parent.ino, child_name, stat.S_IFDIR | (stat.S_IMODE(mode) & ~ctx.umask),
-                              ctx.uid, ctx.gid, mtime_ns=now, ctime_ns=now, atime_ns=now,
-                              meta_known=True)
-        try:
-            await self.s3.put(self.table.key_of(node), b"", object_metadata(node))
-        except BaseException:
-            self.table.detach(node)
-            raise
-        node.validated_at = time.monotonic()
-        parent.touch()
-        node.lookups += 1
-        return self._attrs(node)
+        mode = stat.S_IFDIR | (stat.S_IMODE(mode) & ~ctx.umask)
+        return self._attrs(await self._make_entry(parent_inode, name, mode, ctx, b""))
 
     async def _dir_is_empty(self, node: Inode) -> bool:
         if any(not c.unlinked and c.is_local for c in self.table.children(node.ino)):
@@ -615,8 +608,9 @@ class CheckpointFS(pyfuse3.Operations):
         if off + written > node.size:
             node.size = off + written
         self._changed(node)
-        self.uploader.note_write(node.upload, node.staged.path, lambda: self.table.key_of(node),
-                                 lambda: object_metadata(node), off, off + written)
+        if not node.unlinked:  # an unlinked file is never uploaded
+            self.uploader.note_write(node.upload, node.staged.path, lambda: self.table.key_of(node),
+                                     lambda: object_metadata(node), off, off + written)
         return written
 
     @_guarded
@@ -651,6 +645,7 @@ class CheckpointFS(pyfuse3.Operations):
         if node.open_handles > 0:
             return
         if node.unlinked:
+            await self.uploader.abort(node.upload)
             if node.staged is not None:
                 node.staged.remove()
                 node.staged = None

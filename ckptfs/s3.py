@@ -12,6 +12,7 @@ import contextlib
 import datetime as dt
 import zlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,8 +161,6 @@ class S3Client:
 
     async def download_to(self, key: str, fd: int, size: int, chunk: int, etag: str | None = None) -> None:
         """Fetch a whole object into `fd` with parallel ranged GETs, chunk bytes each."""
-        import os
-
         async def one(start: int) -> None:
             data = await self.get_range(key, start, min(start + chunk, size), etag)
             await trio.to_thread.run_sync(os.pwrite, fd, data, start)

@@ -129,9 +129,13 @@ def _crc_of_range(fd: int, start: int, length: int) -> int:
 
 
 class Uploader:
-    def __init__(self, s3: S3Client, plan: PartPlan, concurrency: int) -> None:
+    def __init__(self, s3: S3Client, plan: PartPlan, concurrency: int,
+                 stream_while_writing: bool = True) -> None:
         self.s3 = s3
         self.plan = plan
+        # Off in async mode: there close() waits for nothing in S3, and on a small host the
+        # parts sent during the write slow the writer down (measured: bench/write_bench.py).
+        self.stream_while_writing = stream_while_writing
         self.parts_limiter = trio.CapacityLimiter(concurrency)
         self.nursery: trio.Nursery | None = None  # set by the daemon; holds streamed part uploads
         self._active = 0
@@ -163,7 +167,7 @@ class Uploader:
         first, last = self.plan.part_at(offset), self.plan.part_at(end - 1)
         for n in range(first, last + 1):
             up.touched[n] = up.clock
-        if end <= self.plan.base_size or self.nursery is None:
+        if end <= self.plan.base_size or self.nursery is None or not self.stream_while_writing:
             return  # a file of one part goes up with a single PUT at close
         if up.touched.get(1) is not None and 1 not in up.parts and 1 not in up.sending:
             first = 1  # the file just outgrew one part: part 1 may have been completed earlier

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -137,6 +138,21 @@ def mounter(s3_server: S3Server, tmp_path: Path, prefix: str) -> Iterator[Mounte
         yield m
     finally:
         m.close()
+
+
+@pytest.fixture
+def proxied(s3_server: S3Server, tmp_path: Path, prefix: str):
+    """(FaultProxy, Mounter): mounts that reach the S3 server through a fault-injecting proxy."""
+    from faultproxy import FaultProxy
+
+    with FaultProxy(s3_server.endpoint) as proxy:
+        mounter = Mounter(dataclasses.replace(s3_server, endpoint=proxy.endpoint), tmp_path, prefix)
+        try:
+            yield proxy, mounter
+        finally:
+            proxy.fail_methods = set()
+            proxy.corrupt_parts = 0
+            mounter.close()
 
 
 @pytest.fixture

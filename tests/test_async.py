@@ -39,28 +39,19 @@ def test_unmount_uploads_everything_first(mounter: Mounter, s3, prefix: str) -> 
         assert s3_bytes(s3, f"{prefix}/{name}") == data
 
 
-def test_sync_reports_failures_and_delivers_after_recovery(s3_server, tmp_path, s3, prefix: str) -> None:
-    from faultproxy import FaultProxy
-
-    with FaultProxy(s3_server.endpoint) as proxy:
-        via_proxy = type(s3_server)(proxy.endpoint, s3_server.proc, s3_server.data_dir,
-                                    s3_server.log_path, s3_server.bucket)
-        mounter = Mounter(via_proxy, tmp_path, prefix)
-        try:
-            mnt = mounter("--durability", "async")
-            proxy.fail_methods = {"PUT", "POST"}
-            (mnt.path / "a.bin").write_bytes(b"pending")  # close succeeds: it is staged
-            r = run_ckptfs("sync", str(mnt.path))
-            assert r.returncode == 1
-            assert r.stderr.count("\n") == 1 and "upload of a.bin failed" in r.stderr, r.stderr
-            assert f"{prefix}/a.bin" not in s3_keys(s3, prefix)
-            proxy.fail_methods = set()
-            r = run_ckptfs("sync", str(mnt.path))  # retries continue in the background
-            assert r.returncode == 0, r.stderr
-            assert s3_bytes(s3, f"{prefix}/a.bin") == b"pending"
-        finally:
-            proxy.fail_methods = set()
-            mounter.close()
+def test_sync_reports_failures_and_delivers_after_recovery(proxied, s3, prefix: str) -> None:
+    proxy, mounter = proxied
+    mnt = mounter("--durability", "async")
+    proxy.fail_methods = {"PUT", "POST"}
+    (mnt.path / "a.bin").write_bytes(b"pending")  # close succeeds: it is staged
+    r = run_ckptfs("sync", str(mnt.path))
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "upload of a.bin failed" in r.stderr, r.stderr
+    assert f"{prefix}/a.bin" not in s3_keys(s3, prefix)
+    proxy.fail_methods = set()
+    r = run_ckptfs("sync", str(mnt.path))  # retries continue in the background
+    assert r.returncode == 0, r.stderr
+    assert s3_bytes(s3, f"{prefix}/a.bin") == b"pending"
 
 
 def test_sync_in_close_mode_returns_at_once_and_checks_its_arguments(mnt, tmp_path) -> None:

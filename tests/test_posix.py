@@ -308,38 +308,27 @@ def test_listing_pages_past_one_thousand_keys(mounter: Mounter, s3, prefix: str)
     assert sorted(os.listdir(mnt.path / "many")) == names
 
 
-def test_failed_upload_fails_close_with_eio_and_keeps_the_staged_bytes(
-        s3_server, tmp_path, s3, prefix: str) -> None:
-    from conftest import Mounter
-    from faultproxy import FaultProxy
-
-    with FaultProxy(s3_server.endpoint) as proxy:
-        proxy_server = type(s3_server)(proxy.endpoint, s3_server.proc, s3_server.data_dir,
-                                       s3_server.log_path, s3_server.bucket)
-        mounter = Mounter(proxy_server, tmp_path, prefix)
-        try:
-            mnt = mounter()
-            (mnt.path / "ok.bin").write_bytes(b"before the outage")
-            data = os.urandom(1024 * 1024)
-            proxy.fail_methods = {"PUT", "POST"}
-            f = open(mnt.path / "lost.bin", "wb")
-            f.write(data)
-            with pytest.raises(OSError) as e:
-                f.close()
-            assert e.value.errno == errno.EIO
-            assert proxy.failed > 0
-            staged = [p for p in (mnt.cache_dir / "staging").iterdir() if p.read_bytes() == data]
-            assert len(staged) == 1, "the staged copy must be kept"
-            assert "upload of" in mnt.log and "staged copy kept" in mnt.log
-            keys = s3_keys(s3, prefix)
-            assert f"{prefix}/lost.bin" not in keys and f"{prefix}/ok.bin" in keys
-            uploads = s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
-            assert uploads == []
-            proxy.fail_methods = set()
-            with open(mnt.path / "lost.bin", "r+b") as again:  # a later close delivers it
-                assert again.read() == data
-                os.fsync(again.fileno())
-            assert s3_bytes(s3, f"{prefix}/lost.bin") == data
-        finally:
-            proxy.fail_methods = set()
-            mounter.close()
+def test_failed_upload_fails_close_with_eio_and_keeps_the_staged_bytes(proxied, s3, prefix: str) -> None:
+    proxy, mounter = proxied
+    mnt = mounter()
+    (mnt.path / "ok.bin").write_bytes(b"before the outage")
+    data = os.urandom(1024 * 1024)
+    proxy.fail_methods = {"PUT", "POST"}
+    f = open(mnt.path / "lost.bin", "wb")
+    f.write(data)
+    with pytest.raises(OSError) as e:
+        f.close()
+    assert e.value.errno == errno.EIO
+    assert proxy.failed > 0
+    staged = [p for p in (mnt.cache_dir / "staging").iterdir() if p.read_bytes() == data]
+    assert len(staged) == 1, "the staged copy must be kept"
+    assert "upload of" in mnt.log and "staged copy kept" in mnt.log
+    keys = s3_keys(s3, prefix)
+    assert f"{prefix}/lost.bin" not in keys and f"{prefix}/ok.bin" in keys
+    uploads = s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
+    assert uploads == []
+    proxy.fail_methods = set()
+    with open(mnt.path / "lost.bin", "r+b") as again:  # a later close delivers it
+        assert again.read() == data
+        os.fsync(again.fileno())
+    assert s3_bytes(s3, f"{prefix}/lost.bin") == data

@@ -112,33 +112,24 @@ def test_unlink_of_an_open_streaming_file_aborts_its_upload(mounter: Mounter, s3
     assert s3_keys(s3, prefix) == []
 
 
-def test_corrupted_part_is_rejected_and_sent_again(s3_server, tmp_path, s3, prefix: str) -> None:
-    from faultproxy import FaultProxy
-
-    with FaultProxy(s3_server.endpoint) as proxy:
-        via_proxy = type(s3_server)(proxy.endpoint, s3_server.proc, s3_server.data_dir,
-                                    s3_server.log_path, s3_server.bucket)
-        mounter = Mounter(via_proxy, tmp_path, prefix)
-        try:
-            mnt = mounter("--part-size", "5MiB")
-            data = os.urandom(16 * MiB)
-            proxy.corrupt_parts = 2
-            (mnt.path / "c.bin").write_bytes(data)
-            assert proxy.corrupted == 2
-            assert s3_bytes(s3, f"{prefix}/c.bin") == data
-            assert "sending it again" in mnt.log
-            # Corruption that never stops: close fails, nothing is completed, nothing left open.
-            proxy.corrupt_parts = 10**6
-            f = open(mnt.path / "never.bin", "wb")
-            f.write(os.urandom(11 * MiB))
-            with pytest.raises(OSError) as e:
-                f.close()
-            assert e.value.errno == errno.EIO
-            assert f"{prefix}/never.bin" not in s3_keys(s3, prefix)
-            assert open_uploads(s3, prefix) == []
-        finally:
-            proxy.corrupt_parts = 0
-            mounter.close()
+def test_corrupted_part_is_rejected_and_sent_again(proxied, s3, prefix: str) -> None:
+    proxy, mounter = proxied
+    mnt = mounter("--part-size", "5MiB")
+    data = os.urandom(16 * MiB)
+    proxy.corrupt_parts = 2
+    (mnt.path / "c.bin").write_bytes(data)
+    assert proxy.corrupted == 2
+    assert s3_bytes(s3, f"{prefix}/c.bin") == data
+    assert "sending it again" in mnt.log
+    # Corruption that never stops: close fails, nothing is completed, nothing left open.
+    proxy.corrupt_parts = 10**6
+    f = open(mnt.path / "never.bin", "wb")
+    f.write(os.urandom(11 * MiB))
+    with pytest.raises(OSError) as e:
+        f.close()
+    assert e.value.errno == errno.EIO
+    assert f"{prefix}/never.bin" not in s3_keys(s3, prefix)
+    assert open_uploads(s3, prefix) == []
 
 
 WRITER = """
