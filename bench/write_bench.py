@@ -148,7 +148,8 @@ class Bench:
         cache = self.path("ckptfs-cache")
         key = f"ck-{durability}/{workload}.bin"
         r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{self.server.bucket}/ck-{durability}",
-                            mnt, "--cache-dir", cache, "--durability", durability],
+                            mnt, "--cache-dir", cache, "--durability", durability,
+                            "--log-level", os.environ.get("CKPTFS_BENCH_LOG_LEVEL", "info")],
                            env=self.env, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"ckptfs mount failed: {r.stderr}")
@@ -163,7 +164,10 @@ class Bench:
             if durability == "async":
                 subprocess.run([sys.executable, "-m", "ckptfs", "sync", mnt], env=self.env, check=True)
             durable = time.monotonic() - t
-            assert self.object_size(key) == size, "object missing after close/sync"
+            # torch.save names its archive after the file, so compare with the file, not `size`.
+            if self.object_size(key) != os.path.getsize(os.path.join(mnt, f"{workload}.bin")):
+                log = open(os.path.join(cache, "ckptfs.log")).read()[-2000:]
+                raise RuntimeError(f"{key} is not in S3 after close/sync; daemon log:\n{log}")
             cpu = self._cpu(pid) - cpu0
             rss = self._peak_rss(pid)
             note = f"daemon {cpu:.1f} CPU s, peak RSS {rss / MiB:.0f} MiB"
