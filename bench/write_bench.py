@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import boto3
 from boto3.s3.transfer import TransferConfig
 
 from ckptfs import devserver
@@ -269,7 +268,7 @@ def report(bench: Bench) -> str:
     lines = [f"ckptfs write benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()}: "
              f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, "
              "SeaweedFS on loopback", ""]
-    lines.append(f"| workload | method | seconds | MiB/s | notes |")
+    lines.append("| workload | method | seconds | MiB/s | notes |")
     lines.append("|---|---|---:|---:|---|")
     for row in bench.rows:
         lines.append(f"| {row.workload} | {row.method} | {row.seconds:.2f} | {row.mib_s:.0f} | {row.note} |")

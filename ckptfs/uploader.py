@@ -12,7 +12,6 @@ upload; the staged file is never touched.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import os

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import warnings
 
-import pytest
 import torch
 
 from conftest import BUCKET, Mounter, s3_keys

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import trio
 
 from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.namespace import Namespace, valid_name
