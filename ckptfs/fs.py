@@ -415,13 +415,15 @@ class CheckpointFS(pyfuse3.Operations):
         if src.is_dir and self.table.is_ancestor(src, new_parent):
             raise _fail(errno.EINVAL)
         new_key = self.table.key_of(new_parent) + new_name
+        if dst is not None and dst.is_dir:
+            # Before the move, not after: the empty target's marker is the key the moved
+            # directory's marker takes, and stores with real folders delete recursively.
+            await self.s3.delete(self.table.key_of(dst))
         if src.is_dir:
             await self._rename_dir(src, new_key + "/")
         else:
             await self._rename_object(src, new_key, dst)
         if dst is not None:
-            if dst.is_dir:
-                await self.s3.delete(self.table.key_of(dst))
             self.table.detach(dst)
             if dst.open_handles == 0 and dst.staged is not None:
                 dst.staged.remove()
@@ -565,8 +567,9 @@ class CheckpointFS(pyfuse3.Operations):
         node = self._inode(inode)
         if node.is_dir:
             raise _fail(errno.EISDIR)
-        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
-        if writable or flags & os.O_TRUNC:
+        # O_RDONLY|O_TRUNC truncates on Linux, so it counts as a writer too.
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY or bool(flags & os.O_TRUNC)
+        if writable:
             self._check_writable()
             node.writers += 1
         node.open_handles += 1

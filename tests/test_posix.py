@@ -332,3 +332,20 @@ def test_failed_upload_fails_close_with_eio_and_keeps_the_staged_bytes(proxied, 
         assert again.read() == data
         os.fsync(again.fileno())
     assert s3_bytes(s3, f"{prefix}/lost.bin") == data
+
+
+def test_rename_directory_onto_an_empty_directory_keeps_its_contents(mounter: Mounter, s3, prefix: str) -> None:
+    mnt = mounter()
+    (mnt.path / "src" / "sub").mkdir(parents=True)
+    (mnt.path / "src" / "a.bin").write_bytes(b"a")
+    (mnt.path / "src" / "sub" / "b.bin").write_bytes(b"b")
+    (mnt.path / "dst").mkdir()
+    os.rename(mnt.path / "src", mnt.path / "dst")
+    assert (mnt.path / "dst" / "a.bin").read_bytes() == b"a"
+    assert s3_bytes(s3, f"{prefix}/dst/a.bin") == b"a"
+    assert s3_bytes(s3, f"{prefix}/dst/sub/b.bin") == b"b"
+    mnt.unmount()
+    again = mounter()
+    assert sorted(os.listdir(again.path)) == ["dst"]
+    assert sorted(os.listdir(again.path / "dst")) == ["a.bin", "sub"]
+    assert (again.path / "dst" / "sub" / "b.bin").read_bytes() == b"b"
