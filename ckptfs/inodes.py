@@ -63,11 +63,8 @@ class Inode:
         """The mount's own state is authoritative: S3 must not overrule it."""
         return self.dirty or self.writers > 0 or (self.staged is not None and self.etag is None)
 
-    def touch(self, mtime: bool = True) -> None:
-        now = time.time_ns()
-        self.ctime_ns = now
-        if mtime:
-            self.mtime_ns = now
+    def touch(self) -> None:
+        self.ctime_ns = self.mtime_ns = time.time_ns()
 
 
 class InodeTable:

@@ -69,10 +69,6 @@ class ChunkReader:
             pieces.append(chunk[max(offset, base) - base:min(end, base + len(chunk)) - base])
         return b"".join(pieces)
 
-    def forget(self, key: str) -> None:
-        for cid in [c for c in self._chunks if c[0] == key]:
-            self._chunks.pop(cid, None)
-
     def _start(self, cid: ChunkId, size: int) -> _Fetch:
         fetch = self._fetching.get(cid)
         if fetch is None and cid not in self._chunks:

@@ -113,7 +113,3 @@ class StagingArea:
 
     def new_file(self) -> StagedFile:
         return StagedFile(os.path.join(self.dir, f"{os.getpid()}-{next(self._names)}"))
-
-    def free_bytes(self) -> int:
-        st = os.statvfs(self.dir)
-        return st.f_bavail * st.f_frsize

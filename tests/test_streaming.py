@@ -154,3 +154,14 @@ def test_eight_concurrent_writers_share_the_upload_budget(mounter: Mounter, s3, 
         # reading a file back while others upload works too
         assert hashlib.sha256((mnt.path / f"shard_{i}.pt").read_bytes()).hexdigest() == digest
     assert open_uploads(s3, prefix) == []
+
+
+def test_parts_larger_than_the_in_memory_limit_stream_from_the_staging_file(
+        mounter: Mounter, s3, prefix: str) -> None:
+    mnt = mounter("--part-size", "40MiB")  # above the 32 MiB in-memory limit: FileRange bodies
+    data = os.urandom(90 * MiB)
+    (mnt.path / "large-parts.bin").write_bytes(data)
+    key = f"{prefix}/large-parts.bin"
+    assert hashlib.sha256(s3_bytes(s3, key)).digest() == hashlib.sha256(data).digest()
+    head = s3.head_object(Bucket=BUCKET, Key=key, PartNumber=1)
+    assert head["ContentLength"] == 40 * MiB
