@@ -220,6 +220,15 @@ class CheckpointFS(pyfuse3.Operations):
             log.debug("uploaded %s (%d bytes, %d parts) in %.2fs", key, inode.size, result.parts,
                       time.monotonic() - started)
 
+    async def _commit_or_queue(self, inode: Inode) -> None:
+        """Close-mode commit; on failure the caller gets EIO and the file keeps retrying in the
+        background, so `ckptfs sync` reports it and delivers it once S3 is back."""
+        try:
+            await self.commit(inode)
+        except UploadError:
+            self.queue.add(inode)
+            raise
+
     async def _commit_in_background(self, inode: Inode) -> None:
         await self.commit(inode)
         if inode.open_handles == 0 and inode.staged is not None and not inode.is_local:
@@ -624,7 +633,7 @@ class CheckpointFS(pyfuse3.Operations):
         if self.durability == "async":
             self.queue.add(handle.inode)  # staged on local disk; S3 follows in the background
         else:
-            await self.commit(handle.inode)
+            await self._commit_or_queue(handle.inode)
 
     @_guarded
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -634,7 +643,7 @@ class CheckpointFS(pyfuse3.Operations):
                 await trio.to_thread.run_sync(os.fsync, node.staged.fd)
             self.queue.add(node)
         else:
-            await self.commit(node)
+            await self._commit_or_queue(node)
 
     @_guarded
     async def release(self, fh: int) -> None:

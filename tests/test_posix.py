@@ -349,3 +349,21 @@ def test_rename_directory_onto_an_empty_directory_keeps_its_contents(mounter: Mo
     assert sorted(os.listdir(again.path)) == ["dst"]
     assert sorted(os.listdir(again.path / "dst")) == ["a.bin", "sub"]
     assert (again.path / "dst" / "sub" / "b.bin").read_bytes() == b"b"
+
+
+def test_close_mode_failure_is_reported_by_sync_and_delivered_later(proxied, s3, prefix: str) -> None:
+    from conftest import run_ckptfs
+
+    proxy, mounter = proxied
+    mnt = mounter()
+    proxy.fail_methods = {"PUT", "POST"}
+    f = open(mnt.path / "late.bin", "wb")
+    f.write(b"delivered after the outage")
+    with pytest.raises(OSError):
+        f.close()
+    r = run_ckptfs("sync", str(mnt.path))
+    assert r.returncode == 1 and "upload of late.bin failed" in r.stderr, r.stderr
+    proxy.fail_methods = set()
+    r = run_ckptfs("sync", str(mnt.path))  # no further close needed: it keeps retrying
+    assert r.returncode == 0, r.stderr
+    assert s3_bytes(s3, f"{prefix}/late.bin") == b"delivered after the outage"
