@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import BUCKET, Mounter, s3_bytes, s3_keys
+from conftest import BUCKET, Mounter, run_ckptfs, s3_bytes, s3_keys
 
 MiB = 1024 * 1024
 
@@ -121,14 +121,20 @@ def test_corrupted_part_is_rejected_and_sent_again(proxied, s3, prefix: str) -> 
     assert proxy.corrupted == 2
     assert s3_bytes(s3, f"{prefix}/c.bin") == data
     assert "sending it again" in mnt.log
-    # Corruption that never stops: close fails, nothing is completed, nothing left open.
+    # Corruption that does not stop: close fails and no corrupt object is ever completed;
+    # the file keeps retrying in the background and is delivered once the path is clean.
     proxy.corrupt_parts = 10**6
     f = open(mnt.path / "never.bin", "wb")
-    f.write(os.urandom(11 * MiB))
+    later = os.urandom(11 * MiB)
+    f.write(later)
     with pytest.raises(OSError) as e:
         f.close()
     assert e.value.errno == errno.EIO
     assert f"{prefix}/never.bin" not in s3_keys(s3, prefix)
+    proxy.corrupt_parts = 0
+    r = run_ckptfs("sync", str(mnt.path))
+    assert r.returncode == 0, r.stderr
+    assert s3_bytes(s3, f"{prefix}/never.bin") == later
     assert open_uploads(s3, prefix) == []
 
 
