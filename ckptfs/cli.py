@@ -1,4 +1,4 @@
-"""Command line: `ckptfs mount|unmount`. Errors are one line on stderr, never a traceback.
+"""Command line: `ckptfs mount|sync|status|unmount`. Errors are one line on stderr, never a traceback.
 
 Exit status: 0 success, 1 failure, 2 usage or configuration error.
 """
@@ -46,12 +46,24 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--durability", help="close (default: close() returns when the file is in S3) "
                    "or async (close() returns once staged; `ckptfs sync` waits for S3)")
     m.add_argument("--drain-timeout", help="seconds unmount waits for pending uploads (default 600)")
+    m.add_argument("--upload-timeout", help="seconds an upload keeps retrying through S3 faults "
+                   "before close() fails with EIO (default 120)")
+    m.add_argument("--abort-stale-uploads-after", help="at mount, abort multipart uploads under the "
+                   "prefix that no journal owns and that are older than this (default 1d)")
+    m.add_argument("--spot-termination-watch", action="store_const", const=True,
+                   help="poll EC2 instance metadata for a spot interruption notice")
+    m.add_argument("--imds-endpoint", help="instance metadata base URL (default http://169.254.169.254)")
+    m.add_argument("--spot-poll-interval", help="seconds between spot notice polls (default 5)")
     m.add_argument("--log-level", help="debug, info, warning or error")
     m.add_argument("--config", help="TOML file of these options (underscored names)")
 
     y = sub.add_parser("sync", help="wait until every closed file under PATH is in S3")
     y.add_argument("mountpoint")
     y.add_argument("path", nargs="?", default="", help="a file or directory in the mount (default: all)")
+
+    st = sub.add_parser("status", help="show pending uploads, retries, recovery and spot notices")
+    st.add_argument("mountpoint")
+    st.add_argument("--json", action="store_true", help="print the status as one JSON object")
 
     u = sub.add_parser("unmount", help="finish uploads and unmount")
     u.add_argument("mountpoint")
@@ -147,6 +159,49 @@ def _sync(mountpoint: str, path: str) -> int:
     return 0
 
 
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _status(mountpoint: str, as_json: bool) -> int:
+    from ckptfs import control, daemon
+
+    mountpoint = os.path.abspath(mountpoint)
+    if not daemon.is_mounted(mountpoint):
+        raise MountError(f"{mountpoint} is not mounted")
+    try:
+        st = control.request(daemon.control_path(mountpoint), {"op": "status"}, timeout=10)
+    except OSError as exc:
+        raise MountError(f"the daemon of {mountpoint} does not answer: {exc}") from None
+    if as_json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return 0
+    pending = st["pending"]
+    print(f"{st['mountpoint']}: {st['source']} (durability {st['durability']}, pid {st['pid']})"
+          + (" [draining]" if st["draining"] else ""))
+    print(f"pending uploads: {len(pending)} ({_human(sum(p['size'] for p in pending))}); "
+          f"in flight: {st['uploads_in_flight']}; parts sent: {st['parts_sent']}; "
+          f"retries: {st['retries']}")
+    for p in pending[:20]:
+        print(f"  {p['path']}  {_human(p['size'])}" + (f"  last error: {p['error']}" if p["error"] else ""))
+    if len(pending) > 20:
+        print(f"  ... and {len(pending) - 20} more")
+    rec = st["recovery"]
+    print(f"recovered at mount: {rec['delivered']} delivered, {rec['already_in_s3']} already in S3, "
+          f"{rec['aborted_unclosed']} unclosed uploads aborted, {len(rec['set_aside'])} set aside, "
+          f"{rec['orphans_aborted']} stale uploads aborted")
+    for name, reason in rec["set_aside"]:
+        print(f"  set aside {name}: {reason}")
+    notice = st.get("spot_notice")
+    print("spot notice: " + (f"{notice.get('action', '?')} at {notice.get('time', '?')}" if notice
+                             else "none"))
+    return 0
+
+
 def _alive(pid: int) -> bool:
     """True while `pid` runs; a zombie (exited, not yet reaped by its parent) has finished."""
     try:
@@ -183,6 +238,16 @@ def _unmount(mountpoint: str, timeout: float) -> int:
         raise MountError(f"the daemon of {mountpoint} (pid {pid}) did not finish within {timeout:.0f}s")
     if daemon.is_mounted(mountpoint):
         raise MountError(f"{mountpoint} is still mounted")
+    try:
+        with open(daemon.result_path(mountpoint)) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return 0
+    if result.get("pid") == pid and result.get("pending"):
+        raise MountError(
+            f"unmounted, but {result['pending']} files are not in S3 "
+            f"({result.get('journaled', 0)} journaled in {result.get('journal')}: "
+            "the next mount on this cache dir delivers them)")
     return 0
 
 
@@ -195,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             return _unmount(args.mountpoint, args.timeout)
         if args.command == "sync":
             return _sync(args.mountpoint, args.path)
+        if args.command == "status":
+            return _status(args.mountpoint, args.json)
     except ConfigError as exc:
         sys.stderr.write(f"{PROG}: {exc}\n")
         return 2

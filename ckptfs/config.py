@@ -53,6 +53,20 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, (prefix + "/" if prefix else "")
 
 
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from `90`, `90s`, `30m`, `12h`, `1d`."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    match = _DURATION_RE.match(str(text).lower())
+    if not match:
+        raise ConfigError(f"invalid duration {text!r}: use seconds or a unit like 30m, 12h, 1d")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
 def default_cache_dir(mountpoint: str) -> str:
     base = os.environ.get("XDG_CACHE_HOME") or (
         "/var/cache" if os.geteuid() == 0 else os.path.expanduser("~/.cache"))
@@ -77,6 +91,11 @@ class Config:
     log_level: str = "info"
     durability: str = "close"
     drain_timeout: float = 600.0
+    upload_timeout: float = 120.0
+    abort_stale_uploads_after: float = 86400.0
+    spot_termination_watch: bool = False
+    imds_endpoint: str = "http://169.254.169.254"
+    spot_poll_interval: float = 5.0
     # Not options yet: how long S3 answers about names stay trusted.
     metadata_ttl: float = 1.0
 
@@ -101,6 +120,15 @@ class Config:
             raise ConfigError(f"--durability must be one of {', '.join(DURABILITY)}")
         if not self.drain_timeout > 0:
             raise ConfigError("--drain-timeout must be a positive number of seconds")
+        if not self.upload_timeout > 0:
+            raise ConfigError("--upload-timeout must be a positive number of seconds")
+        if not self.abort_stale_uploads_after >= 0:
+            raise ConfigError("--abort-stale-uploads-after must be a duration >= 0")
+        if not self.spot_poll_interval > 0:
+            raise ConfigError("--spot-poll-interval must be a positive number of seconds")
+        if not re.match(r"^https?://[^/\s]+/?$", self.imds_endpoint):
+            raise ConfigError(f"invalid --imds-endpoint {self.imds_endpoint!r}: "
+                              "expected http://HOST[:PORT]")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         mountpoint = os.path.abspath(self.mountpoint)
@@ -113,15 +141,20 @@ class Config:
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 OPTION_KEYS = tuple(k for k in _FIELDS if k != "metadata_ttl")
 _SIZE_KEYS = {"part_size", "cache_size"}
-_BOOL_KEYS = {"foreground", "allow_other", "read_only"}
+_BOOL_KEYS = {"foreground", "allow_other", "read_only", "spot_termination_watch"}
 _INT_KEYS = {"concurrency"}
-_FLOAT_KEYS = {"drain_timeout"}
+_FLOAT_KEYS = {"drain_timeout", "upload_timeout", "spot_poll_interval"}
+_DURATION_KEYS = {"abort_stale_uploads_after"}
 
 
 def coerce(key: str, value: object) -> object:
     """Convert a config-file or CLI value to the field's type."""
     if key in _SIZE_KEYS:
         return parse_size(value)  # type: ignore[arg-type]
+    if key in _DURATION_KEYS:
+        if isinstance(value, bool):
+            raise ConfigError(f"config key {key!r} must be a duration")
+        return parse_duration(value)  # type: ignore[arg-type]
     if key in _BOOL_KEYS:
         if not isinstance(value, bool):
             raise ConfigError(f"config key {key!r} must be true or false")

@@ -8,8 +8,11 @@ import hashlib
 import json
 import logging
 import os
+import errno
+import functools
 import resource
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
@@ -20,9 +23,12 @@ from ckptfs import control
 from ckptfs.config import Config
 from ckptfs.errors import MountError
 from ckptfs.fs import CheckpointFS
+from ckptfs.journal import Journal
+from ckptfs.recovery import Recovery, RecoveryReport
 from ckptfs.parts import PartPlan
 from ckptfs.prefetch import ChunkReader
 from ckptfs.s3 import S3Client, make_boto_client, preflight
+from ckptfs.spot import watch as watch_spot
 from ckptfs.staging import StagingArea
 from ckptfs.uploader import Uploader
 
@@ -48,17 +54,44 @@ def control_path(mountpoint: str) -> str:
     return state_path(mountpoint)[:-len(".json")] + ".sock"
 
 
-def is_mounted(path: str) -> bool:
+def result_path(mountpoint: str) -> str:
+    """Where a daemon leaves how its unmount went, for `ckptfs unmount` to report."""
+    return state_path(mountpoint)[:-len(".json")] + ".result"
+
+
+def mount_type(path: str) -> str | None:
+    """The filesystem type mounted at `path` (the last one stacked there), or None."""
     real = os.path.realpath(path)
+    found = None
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             if len(fields) > 4 and fields[4].replace("\\040", " ") == real:
-                return True
-    return False
+                sep = fields.index("-")
+                found = fields[sep + 1] if sep + 1 < len(fields) else ""
+    return found
+
+
+def is_mounted(path: str) -> bool:
+    return mount_type(path) is not None
+
+
+def _clear_dead_mount(path: str) -> None:
+    """A ckptfs mount whose daemon died (SIGKILL, OOM) answers ENOTCONN: detach it."""
+    if mount_type(path) != "fuse.ckptfs":
+        return
+    try:
+        os.listdir(path)  # stat alone may still be answered from the kernel's attribute cache
+        return
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            return
+    log.warning("%s is the mount of a ckptfs daemon that died; detaching it", path)
+    subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True)
 
 
 def check_mountpoint(path: str) -> None:
+    _clear_dead_mount(path)
     if not os.path.lexists(path):
         raise MountError(f"mount point {path} does not exist")
     if is_mounted(path):
@@ -117,10 +150,21 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
                             pool=config.concurrency + 8)
     s3 = S3Client(boto, config.bucket, limiter)
     staging = StagingArea(config.cache_dir)
+    journal = Journal(config.cache_dir)
+    uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency,
+                        stream_while_writing=config.durability == "close", journal=journal,
+                        upload_timeout=config.upload_timeout)
+    # Before the mount goes live: what an earlier daemon journaled reaches S3 first.
+    report = await Recovery(journal, staging.dir, staging.preserved_dir, s3, uploader).run(
+        config.prefix, config.abort_stale_uploads_after)
+    if report.failed:
+        key, reason = report.failed[0]
+        more = f" (and {len(report.failed) - 1} more)" if len(report.failed) > 1 else ""
+        raise MountError(f"could not deliver journaled {key}{more}: {reason}; it stays in "
+                         f"{journal.dir}, mount again to retry")
+    staging.preserve_leftovers()
     fs = CheckpointFS(
-        s3=s3, prefix=config.prefix, staging=staging,
-        uploader=Uploader(s3, PartPlan(config.part_size), config.concurrency,
-                          stream_while_writing=config.durability == "close"),
+        s3=s3, prefix=config.prefix, staging=staging, uploader=uploader,
         reader=ChunkReader(s3), uid=os.getuid(), gid=os.getgid(), read_only=config.read_only,
         metadata_ttl=config.metadata_ttl, local_copy_budget=config.cache_size,
         durability=config.durability,
@@ -135,6 +179,7 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
     # ask this very process to answer, and it is not listening yet.
     state = state_path(config.mountpoint)
     control_sock = control_path(config.mountpoint)
+    result = result_path(config.mountpoint)
     try:
         pyfuse3.init(fs, config.mountpoint, options)
     except RuntimeError as exc:
@@ -147,11 +192,15 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
                  config.mountpoint, config.cache_dir)
         async with trio.open_nursery() as nursery:
             fs.reader.nursery = fs.uploader.nursery = fs.queue.nursery = nursery
-            await nursery.start(control.serve, control_sock, _control_handlers(fs))
+            await nursery.start(control.serve, control_sock, _control_handlers(fs, config, report))
             nursery.start_soon(_watch_signals, fs, config.drain_timeout)
+            if config.spot_termination_watch:
+                nursery.start_soon(watch_spot, config.imds_endpoint, config.spot_poll_interval,
+                                   functools.partial(_on_spot_notice, fs))
             notify(READY)
             await pyfuse3.main()
-            # No journal resumes them yet: abort what files never closed left open in S3.
+            # Streamed parts of files that were never closed go; closed files not yet in
+            # S3 keep their journal records, and the next mount delivers them.
             for inode in fs.table.all():
                 await fs.uploader.abort(inode.upload)
             nursery.cancel_scope.cancel()
@@ -160,20 +209,48 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
             os.unlink(state)
         pyfuse3.close(unmount=True)
     pending = [i for i in fs.table.all() if i.dirty and not i.unlinked]
+    journaled = sum(1 for i in pending if i.upload.record is not None and i.upload.record.closed)
+    with contextlib.suppress(OSError):
+        with open(result, "w") as f:
+            json.dump({"pid": os.getpid(), "pending": len(pending), "journaled": journaled,
+                       "journal": journal.dir}, f)
     if pending:
-        log.error("%d files were never uploaded (not closed, or their upload failed); "
-                  "their staged copies are kept under %s", len(pending), staging.dir)
+        log.error("%d files are not in S3 (%d closed and journaled: the next mount delivers them; "
+                  "the rest were never closed and are kept under %s)", len(pending), journaled,
+                  staging.dir)
         return 1
     log.info("unmounted %s (%d write requests, %d parts streamed)", config.mountpoint,
              fs.write_calls, fs.uploader.parts_sent)
     return 0
 
 
-def _control_handlers(fs: CheckpointFS) -> dict:
+def _on_spot_notice(fs: CheckpointFS, notice: dict) -> None:
+    """Two minutes left: uploads get the bandwidth, waiting ones retry now."""
+    log.warning("spot interruption notice: %s at %s; pending uploads go first",
+                notice.get("action", "?"), notice.get("time", "?"))
+    fs.spot_notice = notice
+    fs.reader.readahead_chunks = 0
+    fs.queue.hurry()
+    fs.uploader.hurry()
+
+
+def _control_handlers(fs: CheckpointFS, config: Config, report: RecoveryReport) -> dict:
     async def sync(request: dict) -> dict:
         failed = await fs.queue.wait(str(request.get("path", "")))
         return {"failed": failed}
-    return {"sync": sync}
+
+    async def status(request: dict) -> dict:
+        up = fs.uploader
+        return {
+            "pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
+            "cache_dir": config.cache_dir, "durability": config.durability,
+            "draining": fs.draining, "spot_notice": fs.spot_notice,
+            "pending": [{"path": p, "size": size, "error": err} for p, size, err in fs.queue.pending()],
+            "uploads_in_flight": up.active, "parts_sent": up.parts_sent, "retries": up.retries,
+            "uploaded_in_background": fs.queue.uploaded, "journal_writes": up.journal.writes
+            if up.journal else 0, "recovery": report.as_dict(),
+        }
+    return {"sync": sync, "status": status}
 
 
 async def _watch_signals(fs: CheckpointFS, drain_timeout: float) -> None:

@@ -61,6 +61,7 @@ class DevServer:
     data_dir: str
     log_path: str
     bucket: str
+    args: tuple[str, ...] = ()
 
     def client(self):
         import boto3
@@ -103,6 +104,19 @@ class DevServer:
                 self.proc.wait()
 
 
+def _spawn(args: list[str] | tuple[str, ...], data_dir: str, log_path: str) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(list(args), stdout=log, stderr=log, env=client_env(), cwd=data_dir,
+                                start_new_session=True)
+
+
+def restart(server: DevServer) -> None:
+    """Start a stopped server again on the same ports and data (for outage tests)."""
+    server.stop()
+    server.proc = _spawn(server.args, server.data_dir, server.log_path)
+    server.wait_ready()
+
+
 def start(data_dir: str, bucket: str = DEFAULT_BUCKET) -> DevServer:
     """Start `weed mini` with every one of its services on a free loopback port."""
     (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin,
@@ -119,10 +133,8 @@ def start(data_dir: str, bucket: str = DEFAULT_BUCKET) -> DevServer:
     ]
     os.makedirs(data_dir, exist_ok=True)
     log_path = os.path.join(data_dir, "weed.log")
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=log, env=client_env(), cwd=data_dir,
-                                start_new_session=True)
-    server = DevServer(f"http://127.0.0.1:{s3}", proc, data_dir, log_path, bucket)
+    proc = _spawn(args, data_dir, log_path)
+    server = DevServer(f"http://127.0.0.1:{s3}", proc, data_dir, log_path, bucket, tuple(args))
     try:
         server.wait_ready()
     except BaseException:

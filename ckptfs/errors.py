@@ -25,16 +25,45 @@ class NoSuchKey(CkptfsError):
     errno = errno.ENOENT
 
 
-class S3Error(CkptfsError):
-    """An S3 request failed after boto3's retries."""
+# Error codes worth another attempt: throttling, server trouble, and bytes damaged on the way.
+RETRYABLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeoutException",
+    "InternalError", "ServiceUnavailable", "BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch",
+    "XAmzContentSHA256Mismatch", "IncompleteBody", "OperationAborted",
+})
 
-    def __init__(self, message: str, code: str = "") -> None:
+
+class S3Error(CkptfsError):
+    """An S3 request failed after boto3's retries.
+
+    `retryable` says whether the same request may succeed later: connection
+    failures, timeouts, 5xx, throttling and checksum mismatches are; access
+    denied, a missing bucket or a malformed request are not.
+    """
+
+    def __init__(self, message: str, code: str = "", status: int | None = None,
+                 retryable: bool | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.status = status
+        if retryable is None:
+            retryable = (code in RETRYABLE_CODES or status is None and not code
+                         or (status is not None and (status >= 500 or status in (408, 429))))
+        self.retryable = retryable
 
 
 class UploadError(S3Error):
     """A staged file could not be made durable in S3. Its staged bytes are kept."""
+
+    def __init__(self, message: str, code: str = "", status: int | None = None,
+                 retryable: bool = False) -> None:
+        super().__init__(message, code, status, retryable)
+
+
+class NoSpace(CkptfsError):
+    """The cache disk is full and uploads in flight cannot free enough of it."""
+
+    errno = errno.ENOSPC
 
 
 def first_leaf(exc: BaseException) -> BaseException:

@@ -19,13 +19,13 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from ckptfs.errors import CkptfsError, NoSuchKey, UploadError, raise_first_error
+from ckptfs.errors import CkptfsError, NoSpace, NoSuchKey, UploadError, raise_first_error
 from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
 from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace, object_metadata
 from ckptfs.prefetch import ChunkReader, ReadStream
 from ckptfs.queue import UploadQueue
 from ckptfs.s3 import S3Client
-from ckptfs.staging import LocalCopies, StagingArea
+from ckptfs.staging import LocalCopies, StagedFile, StagingArea
 from ckptfs.uploader import Uploader
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,12 @@ class CheckpointFS(pyfuse3.Operations):
         self.ttl = metadata_ttl
         self.local_copies = LocalCopies(local_copy_budget)
         self.draining = False
+        self.spot_notice: dict | None = None
         self.durability = durability
         self.queue = UploadQueue(self._commit_in_background, self.table.path_of)
         self.write_calls = 0
+        self.space_freed = trio.Event()  # set whenever an upload completes (its copy can go)
+        self.space_wait = uploader.upload_timeout  # how long a writer waits for space
         self._handles: dict[int, Handle | DirHandle] = {}
         self._next_fh = 1
 
@@ -163,7 +166,7 @@ class CheckpointFS(pyfuse3.Operations):
                 inode.staged.truncate(0)
                 self.uploader.note_truncate(inode.upload, 0)
             return
-        staged = self.staging.new_file()
+        staged = self._new_staged(inode)
         try:
             if not truncate and inode.etag is not None and inode.size > 0:
                 await self.s3.download_to(self.table.key_of(inode), staged.fd, inode.size,
@@ -172,6 +175,11 @@ class CheckpointFS(pyfuse3.Operations):
             staged.remove()
             raise
         inode.staged = staged
+
+    def _new_staged(self, inode: Inode) -> StagedFile:
+        staged = self.staging.new_file()
+        inode.upload.journal_name = os.path.basename(staged.path)
+        return staged
 
     def _changed(self, inode: Inode) -> None:
         inode.dirty = True
@@ -202,12 +210,17 @@ class CheckpointFS(pyfuse3.Operations):
         async with inode.upload_lock:
             if inode.unlinked or not inode.dirty or inode.staged is None:
                 return
+            if inode.write_error:
+                raise UploadError(f"a write to {self.table.path_of(inode)} failed; it is not uploaded")
             generation = inode.generation
             key = self.table.key_of(inode)
             started = time.monotonic()
+            metadata = object_metadata(inode)
+            # Journaled first: if the daemon dies mid-upload, the next mount finishes it.
+            await self.uploader.journal_closed(inode.upload, key, inode.size, metadata)
             try:
                 result = await self.uploader.finish(inode.upload, inode.staged.path, key, inode.size,
-                                                    object_metadata(inode))
+                                                    metadata)
             except UploadError as exc:
                 log.error("upload of %s failed, staged copy kept at %s: %s",
                           key, inode.staged.path, exc)
@@ -217,6 +230,9 @@ class CheckpointFS(pyfuse3.Operations):
             inode.validated_at = time.monotonic()
             if inode.generation == generation:
                 inode.dirty = False
+                await self.uploader.forget_record(inode.upload)
+            self.space_freed.set()
+            self.space_freed = trio.Event()
             log.debug("uploaded %s (%d bytes, %d parts) in %.2fs", key, inode.size, result.parts,
                       time.monotonic() - started)
 
@@ -283,6 +299,7 @@ class CheckpointFS(pyfuse3.Operations):
             self._check_writable()
             if node.is_dir:
                 raise _fail(errno.EISDIR)
+            await self.uploader.journal_changing(node.upload)
             await self._ensure_staged(node, truncate=attr.st_size == 0)
             assert node.staged is not None
             node.staged.truncate(attr.st_size)
@@ -393,6 +410,7 @@ class CheckpointFS(pyfuse3.Operations):
             if node.etag is not None:
                 await self.s3.delete(self.table.key_of(node))
             node.dirty = False
+            await self.uploader.forget_record(node.upload)
             self.table.detach(node)
         self.local_copies.discard(node.ino)
         if node.open_handles == 0 and node.staged is not None:
@@ -433,6 +451,8 @@ class CheckpointFS(pyfuse3.Operations):
         else:
             await self._rename_object(src, new_key, dst)
         if dst is not None:
+            await self.uploader.forget_record(dst.upload)
+            dst.dirty = False
             self.table.detach(dst)
             if dst.open_handles == 0 and dst.staged is not None:
                 dst.staged.remove()
@@ -441,6 +461,18 @@ class CheckpointFS(pyfuse3.Operations):
         src.ctime_ns = time.time_ns()
         old_parent.touch()
         new_parent.touch()
+        await self._rejournal(src)
+
+    async def _rejournal(self, node: Inode) -> None:
+        """Closed files not yet in S3 under a renamed name: their records must name the new key."""
+        if node.is_dir:
+            for child in self.table.children(node.ino):
+                await self._rejournal(child)
+            return
+        rec = node.upload.record
+        if rec is not None and rec.closed:
+            await self.uploader.journal_closed(node.upload, self.table.key_of(node), node.size,
+                                               object_metadata(node), rec.fsynced)
 
     async def _rename_object(self, src: Inode, new_key: str, dst: Inode | None) -> None:
         async with src.upload_lock:
@@ -549,6 +581,8 @@ class CheckpointFS(pyfuse3.Operations):
             node.writers += 1
             node.open_handles += 1
             try:
+                if flags & os.O_TRUNC:
+                    await self.uploader.journal_changing(node.upload)
                 await self._ensure_staged(node, truncate=bool(flags & os.O_TRUNC))
             except BaseException:
                 node.writers -= 1
@@ -562,7 +596,7 @@ class CheckpointFS(pyfuse3.Operations):
             node = self.table.add(parent.ino, child_name, stat.S_IFREG | (stat.S_IMODE(mode) & ~ctx.umask),
                                   ctx.uid, ctx.gid, mtime_ns=now, ctime_ns=now, atime_ns=now,
                                   meta_known=True)
-            node.staged = self.staging.new_file()
+            node.staged = self._new_staged(node)
             node.writers += 1
             node.open_handles += 1
             self._changed(node)
@@ -584,6 +618,8 @@ class CheckpointFS(pyfuse3.Operations):
         node.open_handles += 1
         try:
             if writable:
+                if flags & os.O_TRUNC:
+                    await self.uploader.journal_changing(node.upload)
                 await self._ensure_staged(node, truncate=bool(flags & os.O_TRUNC))
                 if flags & os.O_TRUNC:
                     node.size = 0
@@ -615,8 +651,19 @@ class CheckpointFS(pyfuse3.Operations):
         node = self._file_handle(fh).inode
         if node.staged is None:
             raise _fail(errno.EBADF)
+        if node.write_error:
+            raise _fail(node.write_error)
         self.write_calls += 1
-        written = node.staged.pwrite(buf, off)
+        if node.upload.record is not None:
+            await self.uploader.journal_changing(node.upload)
+        try:
+            written = await self._pwrite(node, buf, off)
+        except (OSError, NoSpace) as exc:
+            # The file now lacks bytes its writer meant it to have: it must never be uploaded.
+            node.write_error = exc.errno or errno.EIO
+            log.error("write to %s failed, the file will not be uploaded: %s",
+                      self.table.path_of(node), exc)
+            raise
         if off + written > node.size:
             node.size = off + written
         self._changed(node)
@@ -625,22 +672,71 @@ class CheckpointFS(pyfuse3.Operations):
                                      lambda: object_metadata(node), off, off + written)
         return written
 
+    async def _pwrite(self, node: Inode, buf: bytes, off: int) -> int:
+        """Write all of `buf`; on a full cache disk, free space or wait for uploads to free it."""
+        assert node.staged is not None
+        done = 0
+        waited_until = trio.current_time() + self.space_wait
+        while done < len(buf):
+            try:
+                done += node.staged.pwrite(buf[done:] if done else buf, off + done)
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+            if self._reclaim_space(node):
+                continue
+            if not self._uploads_could_free(node) or trio.current_time() >= waited_until:
+                raise NoSpace(f"cache disk full ({self.staging.dir}) writing {self.table.path_of(node)}")
+            log.warning("cache disk full: %s waits for uploads to free space", self.table.path_of(node))
+            with trio.move_on_at(waited_until):
+                await self.space_freed.wait()
+        return done
+
+    def _reclaim_space(self, writer: Inode) -> bool:
+        """Drop every clean local copy nobody has open; True if any went."""
+        freed = False
+        for inode in self.table.all():
+            if (inode is not writer and inode.staged is not None and not inode.is_local
+                    and inode.open_handles == 0):
+                self._drop_local_copy(inode)
+                freed = True
+        return freed
+
+    def _uploads_could_free(self, writer: Inode) -> bool:
+        """Some other closed file is on its way to S3; its staged copy can go after that."""
+        return any(i is not writer and i.dirty and i.writers == 0 and i.staged is not None
+                   and not i.unlinked for i in self.table.all())
+
+    async def _journal_closed(self, node: Inode, fsynced: bool = False) -> None:
+        if node.dirty and not node.unlinked and node.staged is not None:
+            await self.uploader.journal_closed(node.upload, self.table.key_of(node), node.size,
+                                               object_metadata(node), fsynced)
+
     @_guarded
     async def flush(self, fh: int) -> None:
         handle = self._file_handle(fh)
         if not handle.writable:
             return
+        node = handle.inode
+        if node.write_error:
+            raise _fail(node.write_error)
         if self.durability == "async":
-            self.queue.add(handle.inode)  # staged on local disk; S3 follows in the background
+            # Staged on local disk and journaled; S3 follows in the background.
+            await self._journal_closed(node)
+            self.queue.add(node)
         else:
-            await self._commit_or_queue(handle.inode)
+            await self._commit_or_queue(node)
 
     @_guarded
     async def fsync(self, fh: int, datasync: bool) -> None:
         node = self._file_handle(fh).inode
+        if node.write_error:
+            raise _fail(node.write_error)
         if self.durability == "async":
             if node.staged is not None:
                 await trio.to_thread.run_sync(os.fsync, node.staged.fd)
+                await self._journal_closed(node, fsynced=True)
             self.queue.add(node)
         else:
             await self._commit_or_queue(node)
@@ -661,12 +757,36 @@ class CheckpointFS(pyfuse3.Operations):
             if node.staged is not None:
                 node.staged.remove()
                 node.staged = None
+        elif node.write_error:
+            await self._discard_failed_write(node)
         elif node.staged is not None and not node.is_local:
             self._keep_local_copy(node)
         elif node.staged is not None and node.dirty:
             # The upload failed (flush reported EIO); keep every byte for a later retry.
             node.staged.close()
         self.table.forget(node.ino, 0)
+
+    async def _discard_failed_write(self, node: Inode) -> None:
+        """Forget the bytes of a file whose write failed: the name shows S3's object again."""
+        async with node.upload_lock:
+            await self.uploader.abort(node.upload)
+            await self.uploader.forget_record(node.upload)
+            node.dirty = False
+            node.write_error = 0
+            if node.staged is not None:
+                node.staged.remove()
+                node.staged = None
+            self.local_copies.discard(node.ino)
+            if node.etag is None:
+                parent, name = node.parent, node.name
+                self.table.detach(node)  # it never existed in S3
+                pyfuse3.invalidate_entry_async(parent, os.fsencode(name), ignore_enoent=True)
+            else:
+                node.meta_known = False  # size and mtime come from S3 again
+                node.validated_at = 0.0
+                node.page_etag = None
+        self.space_freed.set()
+        self.space_freed = trio.Event()
 
     # ----- extended attributes and statfs --------------------------------
 

@@ -46,6 +46,7 @@ class Inode:
     open_handles: int = 0
     writers: int = 0
     unlinked: bool = False
+    write_error: int = 0  # errno of a failed write: the file must not be uploaded
     validated_at: float = 0.0  # time.monotonic() of the last S3 confirmation
     upload_lock: trio.Lock = field(default_factory=trio.Lock)
     upload: FileUpload = field(default_factory=FileUpload)  # streamed parts of the staged bytes

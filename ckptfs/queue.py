@@ -35,8 +35,14 @@ class UploadQueue:
         self._path_of = path_of
         self._pending: dict[int, _Entry] = {}
         self._changed = trio.Event()
+        self._hurry = trio.Event()
         self.nursery: trio.Nursery | None = None
         self.uploaded = 0
+
+    def hurry(self) -> None:
+        """Retry every waiting upload now, with fresh backoff (a spot notice arrived)."""
+        self._hurry.set()
+        self._hurry = trio.Event()
 
     def pending(self) -> list[tuple[str, int, str | None]]:
         """(path, size, last error) of every file not yet in S3."""
@@ -62,8 +68,10 @@ class UploadQueue:
                     entry.error = str(exc)
                     entry.attempts += 1
                     self._notify()
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, _BACKOFF_MAX)
+                    hurry = self._hurry
+                    with trio.move_on_after(delay):
+                        await hurry.wait()
+                    delay = 0.5 if hurry.is_set() else min(delay * 2, _BACKOFF_MAX)
                     continue
                 if inode.dirty and inode.writers == 0:
                     continue  # written again while it uploaded

@@ -67,14 +67,19 @@ def _mapped(op: str, key: str) -> Iterator[None]:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code in ("NoSuchKey", "404", "NotFound") or (status == 404 and code != "NoSuchBucket"):
             raise NoSuchKey(key) from None
-        raise S3Error(f"{op} {key}: {code or status} {err.get('Message', '')}".strip(), code) from None
+        raise S3Error(f"{op} {key}: {code or status} {err.get('Message', '')}".strip(), code,
+                      status) from None
     except botocore.exceptions.BotoCoreError as exc:
-        raise S3Error(f"{op} {key}: {exc}", type(exc).__name__) from None
+        # Connection refused or reset, timeouts, a truncated response: worth another try.
+        # Configuration problems (no credentials, bad parameters) are not.
+        retryable = not isinstance(exc, (botocore.exceptions.NoCredentialsError,
+                                         botocore.exceptions.ParamValidationError))
+        raise S3Error(f"{op} {key}: {exc}", type(exc).__name__, None, retryable) from None
 
 
 def make_boto_client(endpoint_url: str | None, region: str | None, profile: str | None,
                      pool: int, connect_timeout: float = 5, read_timeout: float = 60,
-                     max_attempts: int = 6) -> Any:
+                     max_attempts: int = 3) -> Any:
     session = boto3.session.Session(profile_name=profile)
     config = botocore.config.Config(
         max_pool_connections=pool,
@@ -206,6 +211,35 @@ class S3Client:
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         await self._call("AbortMultipartUpload", key, self._c.abort_multipart_upload,
                          Key=key, UploadId=upload_id)
+
+    async def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]:
+        """Part number -> (size, ETag) of every part S3 holds for the multipart upload."""
+        out: dict[int, tuple[int, str]] = {}
+        marker = 0
+        while True:
+            r = await self._call("ListParts", key, self._c.list_parts, Key=key, UploadId=upload_id,
+                                 PartNumberMarker=marker)
+            for p in r.get("Parts", []):
+                out[int(p["PartNumber"])] = (int(p["Size"]), p.get("ETag", ""))
+            if not r.get("IsTruncated"):
+                return out
+            marker = int(r.get("NextPartNumberMarker") or 0)
+            if not marker:
+                return out
+
+    async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        """(key, upload id, initiated as a Unix time) of every open multipart upload under `prefix`."""
+        out: list[tuple[str, str, float]] = []
+        kwargs: dict[str, Any] = {"Prefix": prefix}
+        while True:
+            r = await self._call("ListMultipartUploads", prefix, self._c.list_multipart_uploads,
+                                 **kwargs)
+            for u in r.get("Uploads", []):
+                out.append((u["Key"], u["UploadId"], _timestamp(u.get("Initiated"))))
+            if not r.get("IsTruncated"):
+                return out
+            kwargs.update(KeyMarker=r.get("NextKeyMarker", ""),
+                          UploadIdMarker=r.get("NextUploadIdMarker", ""))
 
     async def copy(self, src: str, dst: str, size: int, metadata: dict[str, str] | None = None) -> str:
         """Server-side copy, returning the new ETag; `metadata` replaces the source's when given."""

@@ -93,23 +93,24 @@ class StagingArea:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         os.chmod(self.dir, 0o700)
         self._names = itertools.count(1)
-        self.preserved = self._preserve_leftovers(cache_dir)
+        self._run = f"{time.time_ns():x}-{os.getpid()}"
+        # Where files of an earlier run that cannot be delivered are kept for the operator.
+        self.preserved_dir = os.path.join(cache_dir, "preserved", time.strftime("%Y%m%dT%H%M%S"))
+        self.preserved: str | None = None
 
-    def _preserve_leftovers(self, cache_dir: str) -> str | None:
-        """Move staged files of an earlier daemon aside, never deleting them.
-
-        Without an upload journal they cannot be resumed, but they may hold the
-        only copy of something a writer never got to close.
-        """
-        leftovers = os.listdir(self.dir)
+    def preserve_leftovers(self, keep: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        """Move staged files of an earlier daemon that no journal record claims aside, never
+        deleting them: they may hold the only copy of something a writer never closed."""
+        leftovers = [n for n in os.listdir(self.dir) if n not in keep]
         if not leftovers:
-            return None
-        dest = os.path.join(cache_dir, "preserved", time.strftime("%Y%m%dT%H%M%S"))
-        os.makedirs(dest, mode=0o700, exist_ok=True)
+            return
+        os.makedirs(self.preserved_dir, mode=0o700, exist_ok=True)
         for name in leftovers:
-            os.rename(os.path.join(self.dir, name), os.path.join(dest, name))
-        log.warning("moved %d staged files of an earlier run to %s", len(leftovers), dest)
-        return dest
+            os.rename(os.path.join(self.dir, name), os.path.join(self.preserved_dir, name))
+        log.warning("moved %d staged files of an earlier run (never closed) to %s",
+                    len(leftovers), self.preserved_dir)
+        self.preserved = self.preserved_dir
 
     def new_file(self) -> StagedFile:
-        return StagedFile(os.path.join(self.dir, f"{os.getpid()}-{next(self._names)}"))
+        # The start time keeps names unique across daemons, whatever pids the kernel hands out.
+        return StagedFile(os.path.join(self.dir, f"{self._run}-{next(self._names)}"))

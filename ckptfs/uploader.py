@@ -8,29 +8,42 @@ them, so memory does not grow with the part size or the file size. One
 CapacityLimiter bounds parts in flight across all files of the mount, FIFO, so
 concurrent writers share it fairly. A failed upload aborts its multipart
 upload; the staged file is never touched.
+
+Every S3 request of an upload is retried with exponential backoff and full
+jitter while the fault is transient (5xx, throttling, timeouts, resets,
+checksum mismatches), until the upload's deadline (`--upload-timeout`) passes.
+
+With a journal, every file whose bytes S3 does not hold yet has a record
+(journal.py): written when the file is closed, updated when its multipart
+upload is created, removed once the object is verified.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
+import random
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from ckptfs.checksum import b64_crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
+from ckptfs.journal import Journal, PartDone, Record
 from ckptfs.parts import PartPlan, PartRange
 from ckptfs.s3 import S3Client
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _READ_CHUNK = 1 << 20
-_PART_ATTEMPTS = 3
+_BACKOFF_BASE = 0.2
+_BACKOFF_CAP = 5.0
 # Parts up to this size are sent from memory; larger ones stream from the staging file.
 _IN_MEMORY_PART = 32 << 20
 
@@ -62,6 +75,11 @@ class FileUpload:
     clock: int = 0
     sending: dict[int, trio.Event] = field(default_factory=dict)
     create_lock: trio.Lock = field(default_factory=trio.Lock)
+    journal_name: str | None = None  # the staged file's name: the journal record's name
+    record: Record | None = None  # what the journal holds for this file now
+    record_clock: int = -1  # `clock` when a closed record was written
+    record_lock: trio.Lock = field(default_factory=trio.Lock)
+    plan: PartPlan | None = None  # the part sizes of these bytes, if not the uploader's own
 
     def current(self, r: PartRange) -> bool:
         rec = self.parts.get(r.number)
@@ -129,7 +147,8 @@ def _crc_of_range(fd: int, start: int, length: int) -> int:
 
 class Uploader:
     def __init__(self, s3: S3Client, plan: PartPlan, concurrency: int,
-                 stream_while_writing: bool = True) -> None:
+                 stream_while_writing: bool = True, journal: Journal | None = None,
+                 upload_timeout: float = 120.0) -> None:
         self.s3 = s3
         self.plan = plan
         # Off in async mode: there close() waits for nothing in S3, and on a small host the
@@ -141,9 +160,96 @@ class Uploader:
         self.idle = trio.Event()
         self.idle.set()
         self.parts_sent = 0
-        self.part_retries = 0
+        self.retries = 0
+        self.journal = journal
+        self.upload_timeout = upload_timeout
+        self._hurry = trio.Event()
+
+    def hurry(self) -> None:
+        """Cut every retry's backoff short (a spot notice arrived)."""
+        self._hurry.set()
+        self._hurry = trio.Event()
+
+    # ----- the journal ---------------------------------------------------
+
+    async def _save(self, up: FileUpload, rec: Record | None) -> None:
+        if self.journal is None or up.journal_name is None:
+            return
+        async with up.record_lock:
+            if rec is None:
+                if up.record is not None:
+                    await trio.to_thread.run_sync(self.journal.remove, up.journal_name)
+            else:
+                await trio.to_thread.run_sync(self.journal.write, rec)
+            up.record = rec
+
+    async def journal_closed(self, up: FileUpload, key: str, size: int, metadata: dict[str, str],
+                             fsynced: bool = False) -> None:
+        """Record that these bytes were closed and belong under `key`, before close() returns."""
+        if up.journal_name is None:
+            return
+        rec = up.record
+        if (rec is not None and rec.closed and up.record_clock == up.clock and rec.key == key
+                and rec.size == size and (rec.fsynced or not fsynced)):
+            return  # already journaled as they are
+        clock = up.clock
+        parts = tuple(PartDone(n, p.start, p.end, p.etag, p.crc) for n, p in sorted(up.parts.items())
+                      if p.generation >= up.touched.get(n, 0) and p.end <= size)
+        await self._save(up, Record(up.journal_name, key, True, size, dict(metadata),
+                                    up.upload_id if up.key == key else None, parts, fsynced,
+                                    (up.plan or self.plan).base_size))
+        up.record_clock = clock
+
+    async def journal_changing(self, up: FileUpload) -> None:
+        """The staged bytes are about to change: a closed record no longer describes them."""
+        rec = up.record
+        if rec is None or not rec.closed:
+            return
+        if up.upload_id is not None and up.key is not None:
+            await self._save(up, Record(rec.name, up.key, False, upload_id=up.upload_id))
+        else:
+            await self._save(up, None)
+
+    async def forget_record(self, up: FileUpload) -> None:
+        """The bytes are in S3 (or were unlinked): nothing is left to recover."""
+        await self._save(up, None)
+
+    # ----- retries ---------------------------------------------------------
+
+    async def retrying(self, what: str, deadline: float, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, again after transient faults, with backoff and jitter, until `deadline`."""
+        attempt = 0
+        started = trio.current_time()
+        while True:
+            try:
+                return await call()
+            except S3Error as exc:
+                if not exc.retryable:
+                    raise
+                delay = random.uniform(_BACKOFF_BASE / 4, min(_BACKOFF_CAP, _BACKOFF_BASE * 2 ** attempt))
+                if trio.current_time() + delay >= deadline:
+                    raise UploadError(
+                        f"{what}: gave up after {attempt + 1} attempts in "
+                        f"{trio.current_time() - started:.0f}s: {exc}", exc.code, exc.status, True
+                    ) from None
+                self.retries += 1
+                attempt += 1
+                log.warning("%s failed (attempt %d), retrying in %.1fs: %s", what, attempt, delay, exc)
+                hurry = self._hurry
+                with trio.move_on_after(delay):
+                    await hurry.wait()
+                if hurry.is_set():
+                    attempt = 0
+
+    def deadline(self) -> float:
+        return trio.current_time() + self.upload_timeout
 
     # ----- bookkeeping of work in flight, for drain ----------------------
+
+    @property
+    def active(self) -> int:
+        """Uploads and streamed parts in flight."""
+        return self._active
 
     def _begin(self) -> None:
         if self._active == 0:
@@ -188,16 +294,17 @@ class Uploader:
                      metadata: dict[str, str]) -> UploadResult:
         """Upload what is missing and complete; returns once the object is complete and verified."""
         self._begin()
+        deadline = self.deadline()
         try:
             await self._wait_sending(up)
             if up.upload_id is not None and up.key != key:
                 await self.abort(up)  # renamed while open: start over under the new name
             fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                if size <= self.plan.base_size and up.upload_id is None:
-                    result = await self._put(fd, key, size, metadata)
+                if size <= (up.plan or self.plan).base_size and up.upload_id is None:
+                    result = await self._put(fd, key, size, metadata, deadline)
                 else:
-                    result = await self._complete(up, fd, key, size, metadata)
+                    result = await self._complete(up, fd, key, size, metadata, deadline)
             finally:
                 os.close(fd)
             return result
@@ -222,8 +329,15 @@ class Uploader:
             with trio.CancelScope(shield=True):
                 try:
                     await self.s3.abort_multipart(key, upload_id)
+                except NoSuchKey:
+                    pass
                 except S3Error as exc:
+                    # A closed record keeps naming it; the next mount's orphan sweep finds the rest.
                     log.warning("could not abort the multipart upload of %s: %s", key, exc)
+                    return
+                rec = up.record
+                if rec is not None and not rec.closed and rec.upload_id == upload_id:
+                    await self._save(up, None)
 
     # ----- internals -----------------------------------------------------
 
@@ -231,25 +345,36 @@ class Uploader:
         for event in list(up.sending.values()):
             await event.wait()
 
-    async def _put(self, fd: int, key: str, size: int, metadata: dict[str, str]) -> UploadResult:
+    async def _put(self, fd: int, key: str, size: int, metadata: dict[str, str],
+                   deadline: float) -> UploadResult:
         body = await trio.to_thread.run_sync(os.pread, fd, size, 0)
         if len(body) != size:
             raise UploadError(f"staged file for {key} is shorter than {size} bytes")
-        etag = await self.s3.put(key, body, metadata)
-        await self._verify(key, size, etag, zlib.crc32(body))
+        crc = zlib.crc32(body)
+        etag = await self.retrying(f"PUT {key}", deadline, lambda: self.s3.put(key, body, metadata))
+        await self.retrying(f"verify {key}", deadline, lambda: self._verify(key, size, etag, crc))
         return UploadResult(etag, 1)
 
-    async def _ensure_created(self, up: FileUpload, key: str, metadata: dict[str, str]) -> str:
+    async def _ensure_created(self, up: FileUpload, key: str, metadata: dict[str, str],
+                              deadline: float) -> str:
         async with up.create_lock:
             if up.upload_id is None:
                 # No mtime: it is not known while the file is still written, and an object
                 # without one shows its LastModified (the completion time) instead.
-                up.metadata = _without_mtime(metadata)
-                up.upload_id = await self.s3.create_multipart(key, up.metadata)
-                up.key = key
+                meta = _without_mtime(metadata)
+                upload_id = await self.retrying(f"CreateMultipartUpload {key}", deadline,
+                                                lambda: self.s3.create_multipart(key, meta))
+                up.metadata, up.upload_id, up.key = meta, upload_id, key
+                # Journal the upload at once, so a crash leaves nothing unowned in S3.
+                rec = up.record
+                if rec is not None and rec.closed and rec.key == key:
+                    await self._save(up, dataclasses.replace(rec, upload_id=upload_id, parts=()))
+                else:
+                    await self._save(up, Record(up.journal_name or "", key, False, upload_id=upload_id))
             return up.upload_id
 
-    async def _send_part(self, up: FileUpload, fd: int, key: str, upload_id: str, r: PartRange) -> None:
+    async def _send_part(self, up: FileUpload, fd: int, key: str, upload_id: str, r: PartRange,
+                         deadline: float) -> None:
         generation = up.clock  # taken before the bytes are read: a later write makes it stale
 
         def send() -> tuple[str, int]:
@@ -266,18 +391,11 @@ class Uploader:
                                             crc), crc
 
         async with self.parts_limiter:
-            for attempt in range(_PART_ATTEMPTS):
-                try:
-                    etag, crc = await trio.to_thread.run_sync(send, limiter=self.s3.limiter)
-                    break
-                except S3Error as exc:
-                    # boto3 already retried transient faults; this also covers a part the
-                    # server rejected for a checksum mismatch (corrupted on the way).
-                    if attempt == _PART_ATTEMPTS - 1:
-                        raise
-                    self.part_retries += 1
-                    log.warning("part %d of %s failed, sending it again: %s", r.number, key, exc)
-                    await trio.sleep(0.2 * 2 ** attempt)
+            # Retried like every request; this also covers a part the server rejected for a
+            # checksum mismatch (corrupted on the way): it is sent again, never completed.
+            etag, crc = await self.retrying(
+                f"UploadPart {r.number} of {key}", deadline,
+                lambda: trio.to_thread.run_sync(send, limiter=self.s3.limiter))
         if up.upload_id == upload_id:
             up.parts[r.number] = PartRecord(r.start, r.end, etag, crc, generation)
             self.parts_sent += 1
@@ -286,12 +404,13 @@ class Uploader:
                            r: PartRange) -> None:
         """Background upload of one completed part; failures are left for finish() to retry."""
         try:
-            upload_id = await self._ensure_created(up, key, metadata)
+            deadline = self.deadline()
+            upload_id = await self._ensure_created(up, key, metadata, deadline)
             if up.key != key:
                 return
             fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                await self._send_part(up, fd, key, upload_id, r)
+                await self._send_part(up, fd, key, upload_id, r, deadline)
             finally:
                 os.close(fd)
         except (S3Error, OSError) as exc:
@@ -301,9 +420,9 @@ class Uploader:
             self._end()
 
     async def _complete(self, up: FileUpload, fd: int, key: str, size: int,
-                        metadata: dict[str, str]) -> UploadResult:
-        upload_id = await self._ensure_created(up, key, metadata)
-        ranges = self.plan.ranges(size)
+                        metadata: dict[str, str], deadline: float) -> UploadResult:
+        upload_id = await self._ensure_created(up, key, metadata, deadline)
+        ranges = (up.plan or self.plan).ranges(size)
         for _ in range(3):  # a part rewritten while it was sent is sent again
             missing = [r for r in ranges if not up.current(r)]
             if not missing:
@@ -311,7 +430,7 @@ class Uploader:
             with raise_first_error():
                 async with trio.open_nursery() as nursery:
                     for r in missing:
-                        nursery.start_soon(self._send_part, up, fd, key, upload_id, r)
+                        nursery.start_soon(self._send_part, up, fd, key, upload_id, r, deadline)
         else:
             raise UploadError(f"parts of {key} kept changing while they were uploaded")
         records = [up.parts[r.number] for r in ranges]
@@ -319,13 +438,22 @@ class Uploader:
             {"ETag": rec.etag, "PartNumber": r.number, "ChecksumCRC32": b64_crc32(rec.crc)}
             for rec, r in zip(records, ranges)]
         crc = crc32_of_parts([(rec.crc, r.size) for rec, r in zip(records, ranges)])
-        etag = await self.s3.complete_multipart(key, upload_id, parts, crc)
+
+        async def complete() -> str:
+            try:
+                return await self.s3.complete_multipart(key, upload_id, parts, crc)
+            except NoSuchKey:
+                # NoSuchUpload: an earlier attempt completed it and its answer was lost (or
+                # the upload is gone). Verification below tells the two apart.
+                return ""
+        etag = await self.retrying(f"CompleteMultipartUpload {key}", deadline, complete)
         up.upload_id = up.key = None
         up.parts.clear()
         if up.metadata != _without_mtime(metadata):  # mode or owner changed while it was written
-            etag = await self.s3.copy(key, key, size, metadata)
+            etag = await self.retrying(f"COPY {key}", deadline,
+                                       lambda: self.s3.copy(key, key, size, metadata))
         up.metadata = None
-        await self._verify(key, size, etag, crc)
+        await self.retrying(f"verify {key}", deadline, lambda: self._verify(key, size, etag, crc))
         return UploadResult(etag, len(parts))
 
     async def _verify(self, key: str, size: int, etag: str, crc: int) -> None:

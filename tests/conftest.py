@@ -151,7 +151,11 @@ def proxied(s3_server: S3Server, tmp_path: Path, prefix: str):
             yield proxy, mounter
         finally:
             proxy.fail_methods = set()
+            proxy.fail_when = None
             proxy.corrupt_parts = 0
+            proxy.delay = 0.0
+            proxy.rates = dict.fromkeys(proxy.rates, 0.0)
+            proxy.fault_methods = None
             mounter.close()
 
 

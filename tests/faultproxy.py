@@ -1,9 +1,20 @@
-"""A loopback HTTP proxy in front of the S3 server that can be told to fail requests."""
+"""A loopback HTTP proxy in front of the S3 server that can be told to fail requests.
+
+Faults: answer chosen methods (or requests a predicate picks) with an error
+status; at set rates, answer 503 SlowDown or 500 InternalError, reset the
+connection, or delay the answer; corrupt the bodies of some UploadPart
+requests; hold requests until released.
+"""
 
 from __future__ import annotations
 
 import http.client
+import random
+import socket
+import struct
 import threading
+import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -18,6 +29,15 @@ class FaultProxy:
         self.failed = 0
         self.corrupt_parts = 0  # flip a byte in the body of this many UploadPart requests
         self.corrupted = 0
+        self.fail_when: Callable[[str, str], bool] | None = None  # (method, path) -> fail it?
+        # Random faults: the chance per request of each, and how long a slow answer waits.
+        self.rates = {"503": 0.0, "500": 0.0, "reset": 0.0, "slow": 0.0}
+        self.slow_seconds = 1.0
+        self.fault_methods: set[str] | None = None  # random faults only for these; None: all
+        self.injected = {"503": 0, "500": 0, "reset": 0, "slow": 0}
+        self.delay = 0.0  # added to every request
+        self.requests = 0
+        self.random = random.Random(1234)
         self.lock = threading.Lock()
         proxy = self
 
@@ -27,19 +47,57 @@ class FaultProxy:
             def log_message(self, *args) -> None:
                 pass
 
+            def _error(self, status: int, code: bytes) -> None:
+                msg = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>' + code +
+                       b"</Code><Message>injected by the test proxy</Message></Error>")
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(msg)))
+                self.end_headers()
+                self.wfile.write(msg)
+
+            def _reset(self) -> None:
+                # SO_LINGER 0: close() sends RST, the client sees "connection reset by peer".
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+                self.close_connection = True
+
+            def _random_fault(self) -> str | None:
+                if proxy.fault_methods is not None and self.command not in proxy.fault_methods:
+                    return None
+                with proxy.lock:
+                    proxy.requests += 1
+                    roll = proxy.random.random()
+                    for name, rate in proxy.rates.items():
+                        if roll < rate:
+                            proxy.injected[name] += 1
+                            return name
+                        roll -= rate
+                return None
+
             def _relay(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                if self.command in proxy.fail_methods:
+                if proxy.delay:
+                    time.sleep(proxy.delay)
+                if self.command in proxy.fail_methods or (
+                        proxy.fail_when is not None and proxy.fail_when(self.command, self.path)):
                     proxy.failed += 1
-                    msg = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
-                           b"<Message>injected by the test proxy</Message></Error>")
-                    self.send_response(proxy.fail_status)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    self.wfile.write(msg)
+                    code = b"AccessDenied" if proxy.fail_status == 403 else b"ServiceUnavailable"
+                    self._error(proxy.fail_status, code)
                     return
+                fault = self._random_fault()
+                if fault == "503":
+                    self._error(503, b"SlowDown")
+                    return
+                if fault == "500":
+                    self._error(500, b"InternalError")
+                    return
+                if fault == "reset":
+                    self._reset()
+                    return
+                if fault == "slow":
+                    time.sleep(proxy.slow_seconds)
                 if self.command == "PUT" and "partNumber=" in self.path and body:
                     with proxy.lock:
                         corrupt = proxy.corrupt_parts > 0
@@ -69,8 +127,13 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address) -> None:
+                pass  # clients that die mid-request (a SIGKILLed daemon) are expected here
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

@@ -1,0 +1,221 @@
+"""Mount-time recovery: deliver what an earlier daemon journaled, abort what nobody owns.
+
+Runs before the mount goes live, so once `ckptfs mount` returns every file
+whose close() succeeded under the earlier daemon is complete in S3.
+
+For each closed record the staged file must exist with the recorded size, and
+every part the record lists must still have its recorded CRC32; otherwise the
+record is inconsistent and set aside (reported, never uploaded). A multipart
+upload the record names is reconciled with ListParts: parts S3 holds whose
+size and MD5 ETag match the staged bytes are kept, the rest are sent again.
+Open records (streamed parts of a file that was never closed) have their
+upload aborted; their staged file is preserved by the staging area.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import trio
+
+from ckptfs.checksum import b64_crc32
+from ckptfs.errors import NoSuchKey, S3Error, UploadError
+from ckptfs.journal import Journal, Record
+from ckptfs.parts import PartPlan
+from ckptfs.s3 import S3Client
+from ckptfs.uploader import FileUpload, PartRecord, Uploader, _without_mtime
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 8 << 20
+
+
+@dataclass
+class RecoveryReport:
+    delivered: list[str] = field(default_factory=list)  # keys completed from the journal
+    already_in_s3: list[str] = field(default_factory=list)  # completed before the crash
+    aborted: int = 0  # multipart uploads of files that were never closed
+    set_aside: list[tuple[str, str]] = field(default_factory=list)  # (record or key, reason)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (key, reason): still journaled
+    orphans_aborted: int = 0
+
+    def as_dict(self) -> dict:
+        return {"delivered": len(self.delivered), "already_in_s3": len(self.already_in_s3),
+                "aborted_unclosed": self.aborted, "orphans_aborted": self.orphans_aborted,
+                "set_aside": [list(x) for x in self.set_aside],
+                "failed": [list(x) for x in self.failed]}
+
+
+def _digest(fd: int, start: int, end: int) -> tuple[int, str]:
+    """(CRC32, MD5 hex) of bytes [start, end) of fd."""
+    crc, md5, pos = 0, hashlib.md5(usedforsecurity=False), start
+    while pos < end:
+        chunk = os.pread(fd, min(_CHUNK, end - pos), pos)
+        if not chunk:
+            raise OSError("staged file shorter than expected")
+        crc = zlib.crc32(chunk, crc)
+        md5.update(chunk)
+        pos += len(chunk)
+    return crc, md5.hexdigest()
+
+
+class Recovery:
+    def __init__(self, journal: Journal, staging_dir: str, preserved_dir: str, s3: S3Client,
+                 uploader: Uploader) -> None:
+        self.journal = journal
+        self.staging_dir = staging_dir
+        self.preserved_dir = preserved_dir
+        self.s3 = s3
+        self.uploader = uploader
+        self.report = RecoveryReport()
+
+    async def run(self, prefix: str, stale_after: float) -> RecoveryReport:
+        records, bad = await trio.to_thread.run_sync(self.journal.scan)
+        for name, reason in bad:
+            log.error("journal record %s cannot be trusted (%s); it and its staged file are kept in %s",
+                      name, reason, self.preserved_dir)
+            self._set_aside(name, reason)
+        # Open records first: their aborts never race a delivery to the same key.
+        for rec in sorted(records, key=lambda r: r.closed):
+            if rec.closed:
+                await self._deliver(rec)
+            else:
+                await self._abort(rec)
+        owned = {rec.upload_id for rec in records if rec.upload_id}
+        await self._sweep_orphans(prefix, stale_after, owned)
+        r = self.report
+        if records or bad or r.orphans_aborted:
+            log.info("recovery: %d delivered, %d already in S3, %d unclosed uploads aborted, "
+                     "%d set aside, %d failed, %d stale uploads aborted", len(r.delivered),
+                     len(r.already_in_s3), r.aborted, len(r.set_aside), len(r.failed),
+                     r.orphans_aborted)
+        return r
+
+    def _set_aside(self, name: str, reason: str) -> None:
+        self.journal.set_aside(name, self.preserved_dir)
+        staged = os.path.join(self.staging_dir, name)
+        if os.path.exists(staged):
+            os.makedirs(self.preserved_dir, mode=0o700, exist_ok=True)
+            os.rename(staged, os.path.join(self.preserved_dir, name))
+        self.report.set_aside.append((name, reason))
+
+    async def _abort(self, rec: Record) -> None:
+        if rec.upload_id:
+            try:
+                await self.s3.abort_multipart(rec.key, rec.upload_id)
+                self.report.aborted += 1
+            except NoSuchKey:
+                pass
+            except S3Error as exc:
+                log.warning("could not abort the upload of unclosed %s: %s", rec.key, exc)
+                return  # the record keeps owning it; the next mount tries again
+        await trio.to_thread.run_sync(self.journal.remove, rec.name)
+
+    async def _deliver(self, rec: Record) -> None:
+        path = os.path.join(self.staging_dir, rec.name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            log.error("journaled %s has lost its staged file %s; nothing to upload", rec.key, path)
+            self._set_aside(rec.name, f"{rec.key}: staged file missing")
+            return
+        try:
+            size = os.fstat(fd).st_size
+            if size != rec.size:
+                reason = f"{rec.key}: staged file has {size} bytes, the journal says {rec.size}"
+                log.error("%s; set aside, not uploaded", reason)
+                self._set_aside(rec.name, reason)
+                return
+            for part in rec.parts:
+                crc, _ = await trio.to_thread.run_sync(_digest, fd, part.start, part.end)
+                if crc != part.crc:
+                    reason = f"{rec.key}: staged bytes {part.start}-{part.end} changed since journaled"
+                    log.error("%s; set aside, not uploaded", reason)
+                    self._set_aside(rec.name, reason)
+                    return
+            plan = self.uploader.plan
+            if rec.part_size and rec.part_size != plan.base_size:
+                plan = PartPlan(rec.part_size)  # the earlier mount's part sizes
+            up = FileUpload(journal_name=rec.name, record=rec, plan=plan)
+            if rec.upload_id and not await self._reuse_parts(up, rec, fd):
+                if await self._already_in_s3(rec, fd):
+                    self.report.already_in_s3.append(rec.key)
+                    await self._done(rec, path)
+                    return
+        finally:
+            os.close(fd)
+        up.record_clock = up.clock  # the record describes these bytes
+        try:
+            await self.uploader.finish(up, path, rec.key, rec.size, rec.metadata)
+        except UploadError as exc:
+            log.error("could not deliver journaled %s: %s", rec.key, exc)
+            self.report.failed.append((rec.key, str(exc)))
+            return
+        log.info("recovered %s (%d bytes) from the journal", rec.key, rec.size)
+        self.report.delivered.append(rec.key)
+        await self._done(rec, path)
+
+    async def _done(self, rec: Record, path: str) -> None:
+        await trio.to_thread.run_sync(self.journal.remove, rec.name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    async def _reuse_parts(self, up: FileUpload, rec: Record, fd: int) -> bool:
+        """Adopt the record's open multipart upload and the parts S3 holds correctly.
+
+        False if that upload no longer exists (completed or aborted before the crash).
+        """
+        assert rec.upload_id is not None
+        try:
+            listed = await self.s3.list_parts(rec.key, rec.upload_id)
+        except NoSuchKey:
+            return False
+        up.upload_id, up.key, up.metadata = rec.upload_id, rec.key, _without_mtime(rec.metadata)
+        plan = up.plan or self.uploader.plan
+        for r in plan.ranges(rec.size):
+            have = listed.get(r.number)
+            if have is None or have[0] != r.size:
+                continue
+            crc, md5 = await trio.to_thread.run_sync(_digest, fd, r.start, r.end)
+            if have[1].strip('"') == md5:
+                up.parts[r.number] = PartRecord(r.start, r.end, have[1], crc, 0)
+        log.info("resuming the upload of %s: %d of %d parts already in S3", rec.key, len(up.parts),
+                 len(plan.ranges(rec.size)))
+        return True
+
+    async def _already_in_s3(self, rec: Record, fd: int) -> bool:
+        """The object under the key is these very bytes (the crash came after completion)."""
+        try:
+            info = await self.s3.head(rec.key, checksum=True)
+        except (NoSuchKey, S3Error):
+            return False
+        if info.size != rec.size or info.checksum_crc32 is None:
+            return False
+        crc, _ = await trio.to_thread.run_sync(_digest, fd, 0, rec.size)
+        return info.checksum_crc32 == b64_crc32(crc)
+
+    async def _sweep_orphans(self, prefix: str, stale_after: float, owned: set[str]) -> None:
+        """Abort multipart uploads under the prefix that no record owns and that are old enough."""
+        try:
+            uploads = await self.s3.list_uploads(prefix)
+        except S3Error as exc:
+            log.warning("could not list open multipart uploads under %r: %s", prefix, exc)
+            return
+        cutoff = time.time() - stale_after
+        for key, upload_id, initiated in uploads:
+            if upload_id in owned or initiated > cutoff:
+                continue
+            try:
+                await self.s3.abort_multipart(key, upload_id)
+                self.report.orphans_aborted += 1
+                log.info("aborted stale multipart upload of %s (started %s)", key,
+                         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(initiated)))
+            except (NoSuchKey, S3Error) as exc:
+                log.warning("could not abort stale upload of %s: %s", key, exc)
