@@ -15,6 +15,7 @@ import sys
 import time
 
 from ckptfs.config import OPTION_KEYS, Config, coerce, load_config_file
+from ckptfs.config import human_size as _human
 from ckptfs.errors import CkptfsError, ConfigError, MountError
 
 PROG = "ckptfs"
@@ -54,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="poll EC2 instance metadata for a spot interruption notice")
     m.add_argument("--imds-endpoint", help="instance metadata base URL (default http://169.254.169.254)")
     m.add_argument("--spot-poll-interval", help="seconds between spot notice polls (default 5)")
+    m.add_argument("--metrics-addr", help="serve Prometheus metrics at http://HOST:PORT/metrics")
     m.add_argument("--log-level", help="debug, info, warning or error")
     m.add_argument("--config", help="TOML file of these options (underscored names)")
 
@@ -159,14 +161,6 @@ def _sync(mountpoint: str, path: str) -> int:
     return 0
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def _status(mountpoint: str, as_json: bool) -> int:
     from ckptfs import control, daemon
 
@@ -183,9 +177,13 @@ def _status(mountpoint: str, as_json: bool) -> int:
     pending = st["pending"]
     print(f"{st['mountpoint']}: {st['source']} (durability {st['durability']}, pid {st['pid']})"
           + (" [draining]" if st["draining"] else ""))
-    print(f"pending uploads: {len(pending)} ({_human(sum(p['size'] for p in pending))}); "
-          f"in flight: {st['uploads_in_flight']}; parts sent: {st['parts_sent']}; "
-          f"retries: {st['retries']}")
+    print(f"pending uploads: {len(pending)} ({_human(st['pending_bytes'])}); "
+          f"in flight: {st['uploads_in_flight']}; done: {st['uploads_done']}; "
+          f"failing: {len(st['failed'])}; retries: {st['retries']}")
+    print(f"uploaded: {_human(st['bytes_uploaded'])} "
+          f"({_human(st['upload_throughput_bytes_per_second'])}/s over the last 10 s); "
+          f"downloaded: {_human(st['bytes_downloaded'])}; local copies: "
+          f"{_human(st['local_copies_bytes'])} of {_human(st['local_copies_budget'])}")
     for p in pending[:20]:
         print(f"  {p['path']}  {_human(p['size'])}" + (f"  last error: {p['error']}" if p["error"] else ""))
     if len(pending) > 20:

@@ -39,6 +39,23 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def human_size(n: float) -> str:
+    """`1.5 GiB` for 1610612736: the inverse of parse_size, for people."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """(host, port) from HOST:PORT (an empty host means 127.0.0.1)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"invalid address {addr!r}: expected HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     """(bucket, prefix) from s3://bucket[/prefix]; the prefix is '' or ends with '/'."""
     if not isinstance(uri, str) or not uri.startswith("s3://"):
@@ -96,6 +113,7 @@ class Config:
     spot_termination_watch: bool = False
     imds_endpoint: str = "http://169.254.169.254"
     spot_poll_interval: float = 5.0
+    metrics_addr: str | None = None
     # Not options yet: how long S3 answers about names stay trusted.
     metadata_ttl: float = 1.0
 
@@ -131,6 +149,11 @@ class Config:
                               "expected http://HOST[:PORT]")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if self.metrics_addr is not None:
+            try:
+                parse_addr(self.metrics_addr)
+            except ValueError as exc:
+                raise ConfigError(f"--metrics-addr: {exc}") from None
         mountpoint = os.path.abspath(self.mountpoint)
         cache_dir = os.path.abspath(self.cache_dir or default_cache_dir(mountpoint))
         endpoint = self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None

@@ -24,7 +24,10 @@ from ckptfs.config import Config
 from ckptfs.errors import MountError
 from ckptfs.fs import CheckpointFS
 from ckptfs.journal import Journal
-from ckptfs.recovery import Recovery, RecoveryReport
+from ckptfs.metrics import Stats
+from ckptfs.metrics import serve as serve_metrics
+from ckptfs.notify import Notifier
+from ckptfs.recovery import Recovery
 from ckptfs.parts import PartPlan
 from ckptfs.prefetch import ChunkReader
 from ckptfs.s3 import S3Client, make_boto_client, preflight
@@ -180,9 +183,15 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
     state = state_path(config.mountpoint)
     control_sock = control_path(config.mountpoint)
     result = result_path(config.mountpoint)
+    stats = Stats(fs, {"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
+                       "cache_dir": config.cache_dir, "recovery": report.as_dict()})
+    metrics_server = serve_metrics(config.metrics_addr, stats) if config.metrics_addr else None
+    notifier = Notifier()
     try:
         pyfuse3.init(fs, config.mountpoint, options)
     except RuntimeError as exc:
+        if metrics_server is not None:
+            metrics_server.shutdown()
         raise MountError(f"cannot mount {config.mountpoint}: {exc}") from None
     try:
         os.makedirs(os.path.dirname(state), mode=0o700, exist_ok=True)
@@ -192,12 +201,14 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
                  config.mountpoint, config.cache_dir)
         async with trio.open_nursery() as nursery:
             fs.reader.nursery = fs.uploader.nursery = fs.queue.nursery = nursery
-            await nursery.start(control.serve, control_sock, _control_handlers(fs, config, report))
-            nursery.start_soon(_watch_signals, fs, config.drain_timeout)
+            await nursery.start(control.serve, control_sock, _control_handlers(fs, stats))
+            nursery.start_soon(_watch_signals, fs, config.drain_timeout, stats, notifier)
+            nursery.start_soon(_report_status, stats, notifier)
             if config.spot_termination_watch:
                 nursery.start_soon(watch_spot, config.imds_endpoint, config.spot_poll_interval,
                                    functools.partial(_on_spot_notice, fs))
             notify(READY)
+            notifier.ready(stats.line())
             await pyfuse3.main()
             # Streamed parts of files that were never closed go; closed files not yet in
             # S3 keep their journal records, and the next mount delivers them.
@@ -208,6 +219,8 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(state)
         pyfuse3.close(unmount=True)
+        if metrics_server is not None:
+            metrics_server.shutdown()
     pending = [i for i in fs.table.all() if i.dirty and not i.unlinked]
     journaled = sum(1 for i in pending if i.upload.record is not None and i.upload.record.closed)
     with contextlib.suppress(OSError):
@@ -234,31 +247,33 @@ def _on_spot_notice(fs: CheckpointFS, notice: dict) -> None:
     fs.uploader.hurry()
 
 
-def _control_handlers(fs: CheckpointFS, config: Config, report: RecoveryReport) -> dict:
+def _control_handlers(fs: CheckpointFS, stats: Stats) -> dict:
     async def sync(request: dict) -> dict:
         failed = await fs.queue.wait(str(request.get("path", "")))
         return {"failed": failed}
 
     async def status(request: dict) -> dict:
-        up = fs.uploader
-        return {
-            "pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
-            "cache_dir": config.cache_dir, "durability": config.durability,
-            "draining": fs.draining, "spot_notice": fs.spot_notice,
-            "pending": [{"path": p, "size": size, "error": err} for p, size, err in fs.queue.pending()],
-            "uploads_in_flight": up.active, "parts_sent": up.parts_sent, "retries": up.retries,
-            "uploaded_in_background": fs.queue.uploaded, "journal_writes": up.journal.writes
-            if up.journal else 0, "recovery": report.as_dict(),
-        }
+        return stats.refresh()
     return {"sync": sync, "status": status}
 
 
-async def _watch_signals(fs: CheckpointFS, drain_timeout: float) -> None:
+async def _report_status(stats: Stats, notifier: Notifier) -> None:
+    """Refresh the snapshot behind /metrics and systemd's STATUS= once a second."""
+    while True:
+        await trio.sleep(1.0)
+        stats.refresh()
+        notifier.status(stats.line())
+
+
+async def _watch_signals(fs: CheckpointFS, drain_timeout: float, stats: Stats,
+                         notifier: Notifier) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s: refusing new writes, finishing uploads",
                      signal.Signals(signum).name)
             fs.draining = True
+            stats.refresh()
+            notifier.stopping(stats.line())
             with trio.move_on_after(drain_timeout) as scope:
                 await fs.queue.drain()
                 await fs.uploader.idle.wait()

@@ -93,6 +93,7 @@ class CheckpointFS(pyfuse3.Operations):
         self.durability = durability
         self.queue = UploadQueue(self._commit_in_background, self.table.path_of)
         self.write_calls = 0
+        self.local_read_bytes = 0  # reads answered from staged files and local copies
         self.space_freed = trio.Event()  # set whenever an upload completes (its copy can go)
         self.space_wait = uploader.upload_timeout  # how long a writer waits for space
         self._handles: dict[int, Handle | DirHandle] = {}
@@ -640,7 +641,9 @@ class CheckpointFS(pyfuse3.Operations):
         handle = self._file_handle(fh)
         node = handle.inode
         if node.staged is not None:
-            return node.staged.pread(size, off)
+            data = node.staged.pread(size, off)
+            self.local_read_bytes += len(data)
+            return data
         if node.etag is None or off >= node.size:
             return b""
         return await self.reader.read(self.table.key_of(node), node.etag, node.size, off, size,

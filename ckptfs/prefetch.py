@@ -46,6 +46,9 @@ class ChunkReader:
             maxsize=memory_budget, getsizeof=len)
         self._fetching: dict[ChunkId, _Fetch] = {}
         self.nursery: trio.Nursery | None = None  # set by the daemon; holds readahead fetches
+        self.hits = 0  # chunks served from memory
+        self.misses = 0  # chunks fetched from S3
+        self.bytes_downloaded = 0
 
     async def read(self, key: str, etag: str, size: int, offset: int, length: int,
                    stream: ReadStream) -> bytes:
@@ -80,7 +83,9 @@ class ChunkReader:
     async def _chunk(self, cid: ChunkId, size: int) -> bytes:
         data = self._chunks.get(cid)
         if data is not None:
+            self.hits += 1
             return data
+        self.misses += 1
         fetch = self._fetching.get(cid)
         if fetch is None:
             fetch = self._fetching[cid] = _Fetch()
@@ -96,6 +101,7 @@ class ChunkReader:
         start = k * self.chunk_size
         try:
             fetch.data = await self.s3.get_range(key, start, min(start + self.chunk_size, size), etag)
+            self.bytes_downloaded += len(fetch.data)
             self._chunks[cid] = fetch.data
         except Exception as exc:  # handed to every waiter; readahead failures are only logged
             fetch.error = exc

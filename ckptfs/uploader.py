@@ -46,6 +46,8 @@ _BACKOFF_BASE = 0.2
 _BACKOFF_CAP = 5.0
 # Parts up to this size are sent from memory; larger ones stream from the staging file.
 _IN_MEMORY_PART = 32 << 20
+# Upper bounds (seconds) of the upload latency histogram's buckets.
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,11 @@ class Uploader:
         self.idle.set()
         self.parts_sent = 0
         self.retries = 0
+        self.bytes_uploaded = 0  # part and PUT bodies S3 accepted
+        self.uploads_done = 0
+        self.upload_failures = 0
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last is +Inf
+        self.latency_sum = 0.0
         self.journal = journal
         self.upload_timeout = upload_timeout
         self._hurry = trio.Event()
@@ -295,6 +302,7 @@ class Uploader:
         """Upload what is missing and complete; returns once the object is complete and verified."""
         self._begin()
         deadline = self.deadline()
+        started = trio.current_time()
         try:
             await self._wait_sending(up)
             if up.upload_id is not None and up.key != key:
@@ -307,8 +315,10 @@ class Uploader:
                     result = await self._complete(up, fd, key, size, metadata, deadline)
             finally:
                 os.close(fd)
+            self._observe(trio.current_time() - started)
             return result
         except S3Error as exc:
+            self.upload_failures += 1
             await self.abort(up)
             if isinstance(exc, UploadError):
                 raise
@@ -318,6 +328,15 @@ class Uploader:
             raise
         finally:
             self._end()
+
+    def _observe(self, seconds: float) -> None:
+        self.uploads_done += 1
+        self.latency_sum += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.latency_counts[i] += 1
+                return
+        self.latency_counts[-1] += 1
 
     async def abort(self, up: FileUpload) -> None:
         """Forget the file's multipart upload and abort it in S3 (so it costs nothing)."""
@@ -352,6 +371,7 @@ class Uploader:
             raise UploadError(f"staged file for {key} is shorter than {size} bytes")
         crc = zlib.crc32(body)
         etag = await self.retrying(f"PUT {key}", deadline, lambda: self.s3.put(key, body, metadata))
+        self.bytes_uploaded += size
         await self.retrying(f"verify {key}", deadline, lambda: self._verify(key, size, etag, crc))
         return UploadResult(etag, 1)
 
@@ -396,6 +416,7 @@ class Uploader:
             etag, crc = await self.retrying(
                 f"UploadPart {r.number} of {key}", deadline,
                 lambda: trio.to_thread.run_sync(send, limiter=self.s3.limiter))
+        self.bytes_uploaded += r.size
         if up.upload_id == upload_id:
             up.parts[r.number] = PartRecord(r.start, r.end, etag, crc, generation)
             self.parts_sent += 1

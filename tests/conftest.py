@@ -17,6 +17,7 @@ import pytest
 
 from ckptfs import devserver
 
+REPO = Path(__file__).resolve().parent.parent
 BUCKET = devserver.DEFAULT_BUCKET
 ACCESS_KEY = devserver.ACCESS_KEY
 SECRET_KEY = devserver.SECRET_KEY

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BUCKET, Mounter, S3Server, ckptfs_cmd, client_env, run_ckptfs, s3_bytes, s3_keys
+from conftest import BUCKET, Mounter, S3Server, run_ckptfs, s3_bytes, s3_keys
 from test_streaming import hand_over, open_uploads, wait_for_parts
 
 from ckptfs import daemon, devserver
@@ -315,16 +315,6 @@ def test_torn_and_inconsistent_records_are_reported_never_uploaded(mounter: Moun
     kept = {p.name for p in (cache / "preserved").rglob("*") if p.is_file()}
     assert {"short", "short.json", "torn", "torn.json"} <= kept
     assert list((cache / "journal").iterdir()) == []
-
-
-def test_a_second_mount_on_the_same_cache_dir_fails(mounter: Mounter, mnt, tmp_path: Path) -> None:
-    other = tmp_path / "other"
-    other.mkdir()
-    r = subprocess.run(ckptfs_cmd("mount", mnt.source, str(other), "--cache-dir", str(mnt.cache_dir),
-                                  "--endpoint-url", mnt.endpoint),
-                       capture_output=True, text=True, env=client_env(mnt.endpoint), timeout=60)
-    assert r.returncode == 1
-    assert r.stderr.strip().endswith("is in use by another ckptfs mount"), r.stderr
 
 
 class FakeImds:

@@ -1,0 +1,130 @@
+"""What the daemon is doing, for `ckptfs status`, systemd's STATUS= line and Prometheus.
+
+`Stats.refresh()` runs on the trio thread (every second, and for each status request) and
+replaces one immutable snapshot; the Prometheus HTTP server thread only reads the latest
+snapshot, so it never touches live state. prometheus_client does the text exposition and
+the HTTP serving (content negotiation, escaping, histogram format).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from ckptfs.config import human_size as _human
+from ckptfs.config import parse_addr
+from ckptfs.errors import MountError
+from ckptfs.uploader import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from ckptfs.fs import CheckpointFS
+
+_RATE_WINDOW = 10.0
+
+
+class Stats:
+    def __init__(self, fs: CheckpointFS, extra: dict[str, Any]) -> None:
+        self.fs = fs
+        self.extra = extra  # fixed facts: pid, mount point, source, recovery report
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self.snapshot: dict[str, Any] = {}
+        self.refresh()
+
+    def refresh(self) -> dict[str, Any]:
+        fs, up, rd = self.fs, self.fs.uploader, self.fs.reader
+        now = time.monotonic()
+        self._samples.append((now, up.bytes_uploaded))
+        while len(self._samples) > 1 and now - self._samples[0][0] > _RATE_WINDOW:
+            self._samples.popleft()
+        t0, b0 = self._samples[0]
+        rate = (up.bytes_uploaded - b0) / (now - t0) if now > t0 else 0.0
+        pending = [{"path": p, "size": size, "error": err} for p, size, err in fs.queue.pending()]
+        self.snapshot = {
+            **self.extra,
+            "durability": fs.durability, "draining": fs.draining, "spot_notice": fs.spot_notice,
+            "pending": pending, "pending_files": len(pending),
+            "pending_bytes": sum(p["size"] for p in pending),
+            "failed": [p for p in pending if p["error"]],
+            "uploads_in_flight": up.active, "uploads_done": up.uploads_done,
+            "upload_failures": up.upload_failures, "parts_sent": up.parts_sent,
+            "retries": up.retries, "bytes_uploaded": up.bytes_uploaded,
+            "upload_throughput_bytes_per_second": round(rate),
+            "bytes_downloaded": rd.bytes_downloaded, "chunk_cache_hits": rd.hits,
+            "chunk_cache_misses": rd.misses, "local_read_bytes": fs.local_read_bytes,
+            "local_copies_bytes": fs.local_copies.total, "local_copies_budget": fs.local_copies.budget,
+            "journal_writes": up.journal.writes if up.journal else 0,
+            "latency_counts": list(up.latency_counts), "latency_sum": up.latency_sum,
+        }
+        return self.snapshot
+
+    def line(self) -> str:
+        """One line for systemd's STATUS=."""
+        s = self.snapshot
+        text = (f"{s['pending_files']} uploads pending ({_human(s['pending_bytes'])}), "
+                f"{s['uploads_in_flight']} in flight, {s['uploads_done']} done")
+        if s["failed"]:
+            text += f", {len(s['failed'])} failing"
+        if s["draining"]:
+            text = "draining: " + text
+        if s["spot_notice"]:
+            text += "; spot interruption notice received"
+        return text
+
+
+class _Collector(Collector):
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats.snapshot
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"ckptfs_{name}", doc, value=value)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"ckptfs_{name}", doc, value=value)
+
+        yield counter("uploaded_bytes", "Bytes S3 accepted in parts and PUTs", s["bytes_uploaded"])
+        yield counter("downloaded_bytes", "Bytes fetched from S3 for reads", s["bytes_downloaded"])
+        yield counter("local_read_bytes", "Bytes read from staged files and local copies",
+                      s["local_read_bytes"])
+        yield counter("uploads", "Files made durable in S3", s["uploads_done"])
+        yield counter("upload_failures", "Uploads that failed after retries", s["upload_failures"])
+        yield counter("parts_uploaded", "Multipart parts uploaded", s["parts_sent"])
+        yield counter("retries", "S3 requests of uploads retried after transient faults", s["retries"])
+        yield counter("cache_hits", "Read chunks served from the in-memory chunk cache",
+                      s["chunk_cache_hits"])
+        yield counter("cache_misses", "Read chunks fetched from S3", s["chunk_cache_misses"])
+        yield gauge("pending_uploads", "Closed files not yet in S3", s["pending_files"])
+        yield gauge("pending_bytes", "Bytes of closed files not yet in S3", s["pending_bytes"])
+        yield gauge("uploads_in_flight", "Uploads and streamed parts in flight", s["uploads_in_flight"])
+        yield gauge("local_copies_bytes", "Bytes of clean local copies kept for reads",
+                    s["local_copies_bytes"])
+        yield gauge("draining", "1 while the mount drains before unmounting", int(s["draining"]))
+        yield gauge("spot_interruption_notice", "1 once a spot interruption notice arrived",
+                    int(bool(s["spot_notice"])))
+        buckets, total = [], 0
+        for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], s["latency_counts"]):
+            total += count
+            buckets.append((bound, total))
+        yield HistogramMetricFamily("ckptfs_upload_duration_seconds",
+                                    "Time from close/fsync to the object complete and verified in S3",
+                                    buckets=buckets, sum_value=s["latency_sum"])
+
+
+def serve(addr: str, stats: Stats) -> Any:
+    """Serve /metrics on `addr` from a background thread; returns the server (for shutdown)."""
+    host, port = parse_addr(addr)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(stats))
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise MountError(f"cannot serve metrics on {addr}: {exc.strerror or exc}") from None
+    return server
