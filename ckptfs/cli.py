@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--imds-endpoint", help="instance metadata base URL (default http://169.254.169.254)")
     m.add_argument("--spot-poll-interval", help="seconds between spot notice polls (default 5)")
     m.add_argument("--metrics-addr", help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    m.add_argument("--metadata-ttl", help="seconds S3's answers about names and attributes are "
+                   "trusted, and missing names remembered (default 1)")
     m.add_argument("--log-level", help="debug, info, warning or error")
     m.add_argument("--config", help="TOML file of these options (underscored names)")
 

@@ -114,8 +114,7 @@ class Config:
     imds_endpoint: str = "http://169.254.169.254"
     spot_poll_interval: float = 5.0
     metrics_addr: str | None = None
-    # Not options yet: how long S3 answers about names stay trusted.
-    metadata_ttl: float = 1.0
+    metadata_ttl: float = 1.0  # how long S3's answers about names and attributes are trusted
 
     @property
     def bucket(self) -> str:
@@ -142,6 +141,8 @@ class Config:
             raise ConfigError("--upload-timeout must be a positive number of seconds")
         if not self.abort_stale_uploads_after >= 0:
             raise ConfigError("--abort-stale-uploads-after must be a duration >= 0")
+        if not 0 <= self.metadata_ttl <= 86400:
+            raise ConfigError("--metadata-ttl must be between 0 and 86400 seconds")
         if not self.spot_poll_interval > 0:
             raise ConfigError("--spot-poll-interval must be a positive number of seconds")
         if not re.match(r"^https?://[^/\s]+/?$", self.imds_endpoint):
@@ -162,11 +163,11 @@ class Config:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-OPTION_KEYS = tuple(k for k in _FIELDS if k != "metadata_ttl")
+OPTION_KEYS = tuple(_FIELDS)
 _SIZE_KEYS = {"part_size", "cache_size"}
 _BOOL_KEYS = {"foreground", "allow_other", "read_only", "spot_termination_watch"}
 _INT_KEYS = {"concurrency"}
-_FLOAT_KEYS = {"drain_timeout", "upload_timeout", "spot_poll_interval"}
+_FLOAT_KEYS = {"drain_timeout", "upload_timeout", "spot_poll_interval", "metadata_ttl"}
 _DURATION_KEYS = {"abort_stale_uploads_after"}
 
 

@@ -283,8 +283,10 @@ class CheckpointFS(pyfuse3.Operations):
     @_guarded
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         node = self._inode(inode)
+        # A LIST entry is trusted like a HEAD for the TTL: `ls -l` of a big directory costs
+        # its LIST pages, not one HEAD per file (modes show defaults until a HEAD).
         if (not node.is_dir and not node.is_local and node.etag is not None
-                and not (node.meta_known and self.ns.fresh(node.validated_at))):
+                and not self.ns.fresh(node.validated_at)):
             try:
                 self.ns.apply_object(node, await self.s3.head(self.table.key_of(node)), True)
             except NoSuchKey:
@@ -351,6 +353,7 @@ class CheckpointFS(pyfuse3.Operations):
         if existing is not None:
             raise _fail(errno.EEXIST)
         now = time.time_ns()
+        self.ns.forget_absent(parent.ino, child_name)
         node = self.table.add(parent.ino, child_name, mode, ctx.uid, ctx.gid, mtime_ns=now,
                               ctime_ns=now, atime_ns=now, meta_known=True)
         if node.is_symlink:
@@ -459,6 +462,7 @@ class CheckpointFS(pyfuse3.Operations):
                 dst.staged.remove()
                 dst.staged = None
         self.table.move(src, new_parent.ino, new_name)
+        self.ns.forget_absent(new_parent.ino, new_name)
         src.ctime_ns = time.time_ns()
         old_parent.touch()
         new_parent.touch()
@@ -594,6 +598,7 @@ class CheckpointFS(pyfuse3.Operations):
                 self._changed(node)
         else:
             now = time.time_ns()
+            self.ns.forget_absent(parent.ino, child_name)
             node = self.table.add(parent.ino, child_name, stat.S_IFREG | (stat.S_IMODE(mode) & ~ctx.umask),
                                   ctx.uid, ctx.gid, mtime_ns=now, ctime_ns=now, atime_ns=now,
                                   meta_known=True)

@@ -12,6 +12,7 @@ import logging
 import stat
 import time
 
+import cachetools
 import trio
 
 from ckptfs.errors import NoSuchKey
@@ -58,12 +59,20 @@ class Namespace:
         self.ttl = ttl
         self._listed: dict[int, float] = {}  # dir inode -> when its listing was taken
         self._warned: set[str] = set()
+        # Names S3 just said do not exist: `stat` of a missing checkpoint in a polling loop,
+        # or a framework probing for optional files, costs no request while the answer is fresh.
+        self._absent: cachetools.TTLCache[tuple[int, str], bool] = cachetools.TTLCache(
+            maxsize=65536, ttl=max(ttl, 1e-3), timer=time.monotonic)
 
     def fresh(self, when: float) -> bool:
         return time.monotonic() - when < self.ttl
 
     def invalidate_listing(self, dir_ino: int) -> None:
         self._listed.pop(dir_ino, None)
+
+    def forget_absent(self, dir_ino: int, name: str) -> None:
+        """The mount itself just created `name`, or moved something there."""
+        self._absent.pop((dir_ino, name), None)
 
     def _warn_once(self, key: str, why: str) -> None:
         if key not in self._warned:
@@ -123,6 +132,8 @@ class Namespace:
         listed = self._listed.get(parent.ino)
         if listed is not None and self.fresh(listed):
             return child  # the listing just taken answered for every name in it
+        if child is None and (parent.ino, name) in self._absent:
+            return None
         key = self.table.key_of(parent) + name
         head: list[ObjectInfo | None] = [None]
         listing: list[ListPage] = []
@@ -152,6 +163,8 @@ class Namespace:
         if info is None:
             if child is not None:
                 self.table.detach(child)
+            if self.ttl > 0:
+                self._absent[(parent.ino, name)] = True
             return None
         if child is not None and not child.is_dir:
             self.apply_object(child, info, with_metadata=True)

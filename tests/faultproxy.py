@@ -8,6 +8,7 @@ requests; hold requests until released.
 
 from __future__ import annotations
 
+import collections
 import http.client
 import random
 import socket
@@ -37,6 +38,7 @@ class FaultProxy:
         self.injected = {"503": 0, "500": 0, "reset": 0, "slow": 0}
         self.delay = 0.0  # added to every request
         self.requests = 0
+        self.counts: collections.Counter[str] = collections.Counter()  # LIST, HEAD, GET, PUT, ...
         self.random = random.Random(1234)
         self.lock = threading.Lock()
         proxy = self
@@ -78,6 +80,9 @@ class FaultProxy:
             def _relay(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                kind = "LIST" if self.command == "GET" and "list-type=" in self.path else self.command
+                with proxy.lock:
+                    proxy.counts[kind] += 1
                 if proxy.delay:
                     time.sleep(proxy.delay)
                 if self.command in proxy.fail_methods or (
