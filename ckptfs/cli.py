@@ -184,8 +184,8 @@ def _status(mountpoint: str, as_json: bool) -> int:
           f"failing: {len(st['failed'])}; retries: {st['retries']}")
     print(f"uploaded: {_human(st['bytes_uploaded'])} "
           f"({_human(st['upload_throughput_bytes_per_second'])}/s over the last 10 s); "
-          f"downloaded: {_human(st['bytes_downloaded'])}; local copies: "
-          f"{_human(st['local_copies_bytes'])} of {_human(st['local_copies_budget'])}")
+          f"downloaded: {_human(st['bytes_downloaded'])}; read cache: "
+          f"{_human(st['cache_bytes'])} of {_human(st['cache_budget'])}")
     for p in pending[:20]:
         print(f"  {p['path']}  {_human(p['size'])}" + (f"  last error: {p['error']}" if p["error"] else ""))
     if len(pending) > 20:

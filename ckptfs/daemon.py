@@ -23,6 +23,7 @@ from ckptfs import control
 from ckptfs.config import Config
 from ckptfs.errors import MountError
 from ckptfs.fs import CheckpointFS
+from ckptfs.cache import ObjectCache
 from ckptfs.journal import Journal
 from ckptfs.metrics import Stats
 from ckptfs.metrics import serve as serve_metrics
@@ -166,10 +167,11 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
         raise MountError(f"could not deliver journaled {key}{more}: {reason}; it stays in "
                          f"{journal.dir}, mount again to retry")
     staging.preserve_leftovers()
+    cache = ObjectCache(config.cache_dir, config.cache_size)
     fs = CheckpointFS(
         s3=s3, prefix=config.prefix, staging=staging, uploader=uploader,
-        reader=ChunkReader(s3), uid=os.getuid(), gid=os.getgid(), read_only=config.read_only,
-        metadata_ttl=config.metadata_ttl, local_copy_budget=config.cache_size,
+        reader=ChunkReader(s3, cache), uid=os.getuid(), gid=os.getgid(), read_only=config.read_only,
+        metadata_ttl=config.metadata_ttl, cache=cache,
         durability=config.durability,
     )
     options = set(pyfuse3.default_options)
@@ -214,6 +216,8 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
             # S3 keep their journal records, and the next mount delivers them.
             for inode in fs.table.all():
                 await fs.uploader.abort(inode.upload)
+                if inode.staged is not None and not inode.is_local:
+                    fs._keep_local_copy(inode)  # clean: stays readable after the next mount
             nursery.cancel_scope.cancel()
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -242,7 +246,7 @@ def _on_spot_notice(fs: CheckpointFS, notice: dict) -> None:
     log.warning("spot interruption notice: %s at %s; pending uploads go first",
                 notice.get("action", "?"), notice.get("time", "?"))
     fs.spot_notice = notice
-    fs.reader.readahead_chunks = 0
+    fs.reader.readahead = False
     fs.queue.hurry()
     fs.uploader.hurry()
 

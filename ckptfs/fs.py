@@ -25,7 +25,8 @@ from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace, object_metadata
 from ckptfs.prefetch import ChunkReader, ReadStream
 from ckptfs.queue import UploadQueue
 from ckptfs.s3 import S3Client
-from ckptfs.staging import LocalCopies, StagedFile, StagingArea
+from ckptfs.cache import ObjectCache
+from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class CheckpointFS(pyfuse3.Operations):
 
     def __init__(self, *, s3: S3Client, prefix: str, staging: StagingArea, uploader: Uploader,
                  reader: ChunkReader, uid: int, gid: int, read_only: bool, metadata_ttl: float,
-                 local_copy_budget: int, durability: str = "close") -> None:
+                 cache: ObjectCache, durability: str = "close") -> None:
         super().__init__()
         self.s3 = s3
         self.table = InodeTable(prefix, uid, gid)
@@ -87,7 +88,7 @@ class CheckpointFS(pyfuse3.Operations):
         self.reader = reader
         self.read_only = read_only
         self.ttl = metadata_ttl
-        self.local_copies = LocalCopies(local_copy_budget)
+        self.cache = cache
         self.draining = False
         self.spot_notice: dict | None = None
         self.durability = durability
@@ -162,7 +163,6 @@ class CheckpointFS(pyfuse3.Operations):
     async def _ensure_staged(self, inode: Inode, truncate: bool) -> None:
         """Give `inode` a staged file holding its whole content (or none, if truncating)."""
         if inode.staged is not None:
-            self.local_copies.discard(inode.ino)
             if truncate:
                 inode.staged.truncate(0)
                 self.uploader.note_truncate(inode.upload, 0)
@@ -170,8 +170,11 @@ class CheckpointFS(pyfuse3.Operations):
         staged = self._new_staged(inode)
         try:
             if not truncate and inode.etag is not None and inode.size > 0:
-                await self.s3.download_to(self.table.key_of(inode), staged.fd, inode.size,
-                                          _DOWNLOAD_CHUNK, inode.etag)
+                key = self.table.key_of(inode)
+                staged.close()
+                # A cached whole copy becomes the staged file (a rename); else download it.
+                if not self.cache.take(key, inode.etag, staged.path):
+                    await self.s3.download_to(key, staged.fd, inode.size, _DOWNLOAD_CHUNK, inode.etag)
         except BaseException:
             staged.remove()
             raise
@@ -187,19 +190,20 @@ class CheckpointFS(pyfuse3.Operations):
         inode.generation += 1
         inode.touch()
 
-    def _drop_local_copy(self, inode: Inode) -> None:
-        if inode.staged is not None and not inode.is_local and inode.open_handles == 0:
-            inode.staged.remove()
-            inode.staged = None
-        self.local_copies.discard(inode.ino)
-
     def _keep_local_copy(self, inode: Inode) -> None:
-        assert inode.staged is not None
-        inode.staged.close()
-        for victim in self.local_copies.keep(inode.ino, inode.size):
-            other = self.table.get(victim)
-            if other is not None:
-                self._drop_local_copy(other)
+        """An uploaded file nobody has open: its staged bytes move into the read cache."""
+        staged = inode.staged
+        assert staged is not None
+        staged.close()
+        inode.staged = None
+        if inode.etag is None or inode.unlinked:
+            staged.remove()
+            return
+        try:
+            self.cache.adopt(self.table.key_of(inode), inode.etag, staged.path, inode.size)
+        except OSError as exc:
+            log.warning("could not keep %s in the read cache: %s", self.table.path_of(inode), exc)
+            staged.remove()
 
     async def commit(self, inode: Inode) -> None:
         """Make the inode's staged bytes the object in S3; returns when it is complete and verified.
@@ -415,8 +419,8 @@ class CheckpointFS(pyfuse3.Operations):
                 await self.s3.delete(self.table.key_of(node))
             node.dirty = False
             await self.uploader.forget_record(node.upload)
+            self.cache.drop_key(self.table.key_of(node))
             self.table.detach(node)
-        self.local_copies.discard(node.ino)
         if node.open_handles == 0 and node.staged is not None:
             node.staged.remove()
             node.staged = None
@@ -483,8 +487,12 @@ class CheckpointFS(pyfuse3.Operations):
         async with src.upload_lock:
             old_key = self.table.key_of(src)
             if src.etag is not None:
+                old_etag = src.etag
                 src.etag = await self.s3.copy(old_key, new_key, src.size)
                 await self.s3.delete(old_key)
+                if not src.is_local:
+                    self.cache.rekey(old_key, old_etag, new_key, src.etag)
+                src.page_etag = src.etag if src.page_etag == old_etag else src.page_etag
             elif dst is not None and dst.etag is not None:
                 # The new name must not keep showing the replaced object until src's upload.
                 await self.s3.delete(new_key)
@@ -634,8 +642,6 @@ class CheckpointFS(pyfuse3.Operations):
             node.open_handles -= 1
             node.writers -= writable
             raise
-        if node.staged is not None:
-            self.local_copies.touch(node.ino)
         # The kernel's page cache stays valid while the object is the version it cached.
         keep_cache = node.is_local or node.page_etag == node.etag
         node.page_etag = node.etag
@@ -702,14 +708,8 @@ class CheckpointFS(pyfuse3.Operations):
         return done
 
     def _reclaim_space(self, writer: Inode) -> bool:
-        """Drop every clean local copy nobody has open; True if any went."""
-        freed = False
-        for inode in self.table.all():
-            if (inode is not writer and inode.staged is not None and not inode.is_local
-                    and inode.open_handles == 0):
-                self._drop_local_copy(inode)
-                freed = True
-        return freed
+        """Empty the read cache (clean bytes only); True if that freed anything."""
+        return self.cache.reclaim() > 0
 
     def _uploads_could_free(self, writer: Inode) -> bool:
         """Some other closed file is on its way to S3; its staged copy can go after that."""
@@ -784,7 +784,6 @@ class CheckpointFS(pyfuse3.Operations):
             if node.staged is not None:
                 node.staged.remove()
                 node.staged = None
-            self.local_copies.discard(node.ino)
             if node.etag is None:
                 parent, name = node.parent, node.name
                 self.table.detach(node)  # it never existed in S3

@@ -57,7 +57,7 @@ class Stats:
             "upload_throughput_bytes_per_second": round(rate),
             "bytes_downloaded": rd.bytes_downloaded, "chunk_cache_hits": rd.hits,
             "chunk_cache_misses": rd.misses, "local_read_bytes": fs.local_read_bytes,
-            "local_copies_bytes": fs.local_copies.total, "local_copies_budget": fs.local_copies.budget,
+            "cache_bytes": fs.cache.total, "cache_budget": fs.cache.budget,
             "journal_writes": up.journal.writes if up.journal else 0,
             "latency_counts": list(up.latency_counts), "latency_sum": up.latency_sum,
         }
@@ -104,8 +104,8 @@ class _Collector(Collector):
         yield gauge("pending_uploads", "Closed files not yet in S3", s["pending_files"])
         yield gauge("pending_bytes", "Bytes of closed files not yet in S3", s["pending_bytes"])
         yield gauge("uploads_in_flight", "Uploads and streamed parts in flight", s["uploads_in_flight"])
-        yield gauge("local_copies_bytes", "Bytes of clean local copies kept for reads",
-                    s["local_copies_bytes"])
+        yield gauge("cache_bytes", "Bytes in the on-disk read cache (clean copies and chunks)",
+                    s["cache_bytes"])
         yield gauge("draining", "1 while the mount drains before unmounting", int(s["draining"]))
         yield gauge("spot_interruption_notice", "1 once a spot interruption notice arrived",
                     int(bool(s["spot_notice"])))

@@ -7,7 +7,6 @@ without O_TRUNC is downloaded first), so reads of a staged file never go to S3.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 import os
 import logging
 import time
@@ -53,36 +52,6 @@ class StagedFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-class LocalCopies:
-    """Clean staged files kept for reads, least recently used first out, within a byte budget."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.total = 0
-        self._sizes: OrderedDict[int, int] = OrderedDict()
-
-    def keep(self, ino: int, size: int) -> list[int]:
-        """Record a clean copy; returns the inodes whose copies should now be dropped."""
-        self.discard(ino)
-        self._sizes[ino] = size
-        self.total += size
-        victims = []
-        while self.total > self.budget and len(self._sizes) > 1:
-            victim, vsize = self._sizes.popitem(last=False)
-            self.total -= vsize
-            victims.append(victim)
-        return victims
-
-    def touch(self, ino: int) -> None:
-        if ino in self._sizes:
-            self._sizes.move_to_end(ino)
-
-    def discard(self, ino: int) -> None:
-        size = self._sizes.pop(ino, None)
-        if size is not None:
-            self.total -= size
 
 
 class StagingArea:

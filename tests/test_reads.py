@@ -55,3 +55,94 @@ def test_metadata_ttl_is_checked(tmp_path: Path) -> None:
     from conftest import run_ckptfs
     r = run_ckptfs("mount", f"s3://{BUCKET}/x", str(tmp_path), "--metadata-ttl", "-1")
     assert r.returncode == 2 and "--metadata-ttl must be between" in r.stderr
+
+
+def drop_page_cache() -> None:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def cache_files(cache: Path) -> list[Path]:
+    return [p for p in (cache / "cache").iterdir() if p.is_file()]
+
+
+def test_a_file_written_here_is_read_back_after_a_remount_without_a_get(proxied, prefix: str) -> None:
+    proxy, mounter = proxied
+    mnt = mounter("--part-size", "5MiB")
+    data = os.urandom(12 * MiB)
+    (mnt.path / "model.pt").write_bytes(data)
+    mnt.unmount()
+    again = mounter(path=mnt.path, cache_dir=mnt.cache_dir)
+    drop_page_cache()
+    proxy.counts.clear()
+    assert (again.path / "model.pt").read_bytes() == data
+    assert proxy.counts["GET"] == 0, proxy.counts
+    assert not (mnt.cache_dir / "preserved").exists()  # clean copies are cache, not leftovers
+
+
+def test_cold_reads_fetch_each_chunk_once_and_warm_reads_none(proxied, s3, prefix: str) -> None:
+    proxy, mounter = proxied
+    data = os.urandom(40 * MiB + 123)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/cold.pt", Body=data)
+    mnt = mounter()
+    proxy.counts.clear()
+    with open(mnt.path / "cold.pt", "rb") as f:
+        got = b"".join(iter(lambda: f.read(MiB), b""))
+    assert got == data
+    assert proxy.counts["GET"] == 6, proxy.counts  # 8 MiB chunks, each fetched once
+    # Warm: a new mount on the same cache dir, the page cache dropped: no GET at all.
+    mnt.unmount()
+    again = mounter(path=mnt.path, cache_dir=mnt.cache_dir)
+    drop_page_cache()
+    proxy.counts.clear()
+    assert (again.path / "cold.pt").read_bytes() == data
+    assert proxy.counts["GET"] == 0, proxy.counts
+
+
+def test_random_reads_fetch_what_they_touch(proxied, s3, prefix: str) -> None:
+    proxy, mounter = proxied
+    data = os.urandom(64 * MiB)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/rand.pt", Body=data)
+    mnt = mounter()
+    proxy.counts.clear()
+    with open(mnt.path / "rand.pt", "rb") as f:
+        for offset in (60 * MiB, 1000, 33 * MiB + 5, 60 * MiB + 77):  # the tail first, like torch.load
+            f.seek(offset)
+            assert f.read(4096) == data[offset:offset + 4096]
+    assert proxy.counts["GET"] <= 4, proxy.counts  # chunks 7, 0 and 4 (kernel readahead may add one)
+
+
+def test_a_changed_object_is_fetched_again_and_its_old_cache_dropped(proxied, s3, prefix: str) -> None:
+    proxy, mounter = proxied
+    old, new = os.urandom(9 * MiB), os.urandom(9 * MiB)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/v.pt", Body=old)
+    mnt = mounter()
+    assert (mnt.path / "v.pt").read_bytes() == old
+    mnt.unmount()
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/v.pt", Body=new)  # another host wrote it
+    again = mounter(path=mnt.path, cache_dir=mnt.cache_dir)
+    drop_page_cache()
+    proxy.counts.clear()
+    assert (again.path / "v.pt").read_bytes() == new
+    assert proxy.counts["GET"] >= 2
+    assert sum(p.stat().st_size for p in cache_files(mnt.cache_dir)) == len(new)  # the old version went
+
+
+def test_the_cache_stays_within_its_budget_and_never_evicts_unsent_files(proxied, s3, prefix: str) -> None:
+    proxy, mounter = proxied
+    for i in range(3):
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/r{i}.pt", Body=bytes([i]) * (12 * MiB))
+    mnt = mounter("--cache-size", "20MiB", "--durability", "async")
+    proxy.fail_status = 503
+    proxy.fail_methods = {"PUT", "POST"}
+    pending = os.urandom(30 * MiB)
+    (mnt.path / "pending.pt").write_bytes(pending)  # staged, not in S3: outside the budget
+    for i in range(3):
+        assert (mnt.path / f"r{i}.pt").read_bytes() == bytes([i]) * (12 * MiB)
+    assert sum(p.stat().st_size for p in cache_files(mnt.cache_dir)) <= 20 * MiB
+    staged = [p for p in (mnt.cache_dir / "staging").iterdir() if p.stat().st_size == len(pending)]
+    assert len(staged) == 1
+    proxy.fail_methods = set()
+    from conftest import run_ckptfs
+    assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    assert s3_bytes(s3, f"{prefix}/pending.pt") == pending

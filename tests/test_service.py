@@ -120,7 +120,7 @@ def test_status_json_and_metrics_during_an_async_upload(proxied, s3, prefix: str
     assert st["pending_files"] == 1 and st["pending_bytes"] == 12 * MiB
     assert st["pending"][0]["path"] == "big.pt" and st["durability"] == "async"
     for field in ("uploads_in_flight", "uploads_done", "failed", "retries", "bytes_uploaded",
-                  "upload_throughput_bytes_per_second", "local_copies_bytes", "spot_notice", "recovery"):
+                  "upload_throughput_bytes_per_second", "cache_bytes", "spot_notice", "recovery"):
         assert field in st, field
     time.sleep(1.5)  # the snapshot behind /metrics refreshes every second
     during = scrape(port)

@@ -1,0 +1,234 @@
+"""The on-disk read cache: local bytes of S3 objects, keyed by (key, ETag), LRU by bytes.
+
+Entries live in CACHE_DIR/cache/ as plain files named `<hash(key)>-<hash(etag)>-<part>`:
+`all` is a whole object (a written file whose upload finished is moved in here, so reading
+it back costs no GET), a number is one chunk fetched from S3. Because the ETag is in the
+name, an entry can only ever answer for the exact version it holds; when a new version of
+a key is cached the entries of the old one are deleted. The index is rebuilt from the
+directory at mount (oldest mtime evicted first), so the cache survives a remount.
+
+Only clean bytes live here: staged files not yet in S3 stay in the staging dir and are
+never evicted. The index is touched only on the trio thread; file reads and writes of
+chunks run in worker threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import OrderedDict
+
+log = logging.getLogger(__name__)
+
+_MAX_FDS = 64
+
+
+def _h(text: str, n: int) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:n]
+
+
+class ObjectCache:
+    def __init__(self, cache_dir: str, budget: int) -> None:
+        self.dir = os.path.join(cache_dir, "cache")
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        self.budget = budget
+        self.total = 0
+        self._lru: OrderedDict[str, int] = OrderedDict()  # name -> bytes
+        self._by_key: dict[str, set[str]] = {}  # key hash -> names
+        self._fds: OrderedDict[str, int] = OrderedDict()  # open whole entries
+        self.evicted = 0
+        self._load()
+
+    # ----- naming ----------------------------------------------------------
+
+    @staticmethod
+    def _name(key: str, etag: str, part: str) -> str:
+        return f"{_h(key, 32)}-{_h(etag, 16)}-{part}"
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def _load(self) -> None:
+        found = []
+        for name in os.listdir(self.dir):
+            path = self._path(name)
+            if name.endswith(".tmp"):
+                os.unlink(path)  # a chunk write that never finished
+                continue
+            if name.count("-") != 2:
+                continue
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            found.append((st.st_mtime, name, st.st_size))
+        for _, name, size in sorted(found):
+            self._add(name, size)
+        if found:
+            log.info("read cache: %d entries, %.1f MiB kept from earlier mounts", len(found),
+                     self.total / 2**20)
+        self._evict()
+
+    # ----- index -----------------------------------------------------------
+
+    def _add(self, name: str, size: int) -> None:
+        self._discard(name)
+        self._lru[name] = size
+        self.total += size
+        self._by_key.setdefault(name.split("-", 1)[0], set()).add(name)
+
+    def _discard(self, name: str) -> bool:
+        size = self._lru.pop(name, None)
+        if size is None:
+            return False
+        self.total -= size
+        kh = name.split("-", 1)[0]
+        names = self._by_key.get(kh)
+        if names is not None:
+            names.discard(name)
+            if not names:
+                del self._by_key[kh]
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+        return True
+
+    def _remove(self, name: str) -> None:
+        if self._discard(name):
+            try:
+                os.unlink(self._path(name))
+            except FileNotFoundError:
+                pass
+
+    def _evict(self, keep: str | None = None) -> None:
+        while self.total > self.budget and self._lru:
+            victim = next(iter(self._lru))
+            if victim == keep:
+                if len(self._lru) == 1:
+                    return
+                self._lru.move_to_end(victim)
+                continue
+            self._remove(victim)
+            self.evicted += 1
+
+    def _drop_other_versions(self, key: str, etag: str) -> None:
+        kh, eh = _h(key, 32), _h(etag, 16)
+        for name in list(self._by_key.get(kh, ())):
+            if name.split("-")[1] != eh:
+                self._remove(name)
+
+    # ----- whole objects -----------------------------------------------------
+
+    def whole_fd(self, key: str, etag: str) -> int | None:
+        """A read-only descriptor of the whole object, if it is cached (kept open, LRU)."""
+        name = self._name(key, etag, "all")
+        if name not in self._lru:
+            return None
+        self._lru.move_to_end(name)
+        fd = self._fds.get(name)
+        if fd is None:
+            try:
+                fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                self._discard(name)
+                return None
+            self._fds[name] = fd
+            while len(self._fds) > _MAX_FDS:
+                os.close(self._fds.popitem(last=False)[1])
+        else:
+            self._fds.move_to_end(name)
+        return fd
+
+    def adopt(self, key: str, etag: str, path: str, size: int) -> None:
+        """Move a clean local file (an uploaded staged file) in as the whole object."""
+        self._drop_other_versions(key, etag)
+        name = self._name(key, etag, "all")
+        self._discard(name)
+        os.rename(path, self._path(name))
+        self._add(name, size)
+        for k in [n for n in self._by_key.get(_h(key, 32), ()) if not n.endswith("-all")]:
+            self._remove(k)  # chunks of this version are redundant now
+        self._evict(keep=name)
+
+    def take(self, key: str, etag: str, dest: str) -> bool:
+        """Move the whole object out of the cache to `dest` (it is about to be written)."""
+        name = self._name(key, etag, "all")
+        if name not in self._lru:
+            return False
+        self._discard(name)
+        try:
+            os.rename(self._path(name), dest)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def rekey(self, old_key: str, old_etag: str, new_key: str, new_etag: str) -> None:
+        """A renamed object keeps its cached bytes under its new name."""
+        old = self._name(old_key, old_etag, "all")
+        size = self._lru.get(old)
+        self.drop_key(new_key)
+        if size is None:
+            self.drop_key(old_key)
+            return
+        self._discard(old)
+        new = self._name(new_key, new_etag, "all")
+        try:
+            os.rename(self._path(old), self._path(new))
+        except FileNotFoundError:
+            return
+        self._add(new, size)
+        self.drop_key(old_key)
+
+    def drop_key(self, key: str) -> None:
+        for name in list(self._by_key.get(_h(key, 32), ())):
+            self._remove(name)
+
+    def reclaim(self) -> int:
+        """Delete everything (the cache disk is full); returns the bytes freed."""
+        freed = self.total
+        for name in list(self._lru):
+            self._remove(name)
+        return freed
+
+    # ----- chunks --------------------------------------------------------------
+
+    def chunk_path(self, key: str, etag: str, index: int) -> str | None:
+        name = self._name(key, etag, str(index))
+        if name not in self._lru:
+            return None
+        self._lru.move_to_end(name)
+        return self._path(name)
+
+    @staticmethod
+    def read_file(path: str) -> bytes | None:
+        """Blocking: the bytes of a chunk file, or None if it went away."""
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def chunk_tmp(self, key: str, etag: str, index: int) -> tuple[str, str]:
+        name = self._name(key, etag, str(index))
+        return name, self._path(name) + f".{os.getpid()}.tmp"
+
+    @staticmethod
+    def write_file(tmp: str, data: bytes) -> None:
+        """Blocking: write a chunk to its temp file (no fsync: the cache may lose entries)."""
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    def commit_chunk(self, key: str, etag: str, name: str, tmp: str, size: int) -> None:
+        """Publish a chunk written by write_file (on the trio thread)."""
+        if size > self.budget:
+            os.unlink(tmp)
+            return
+        self._drop_other_versions(key, etag)
+        if self._name(key, etag, "all") in self._lru:
+            os.unlink(tmp)  # the whole object arrived meanwhile
+            return
+        os.rename(tmp, self._path(name))
+        self._add(name, size)
+        self._evict(keep=name)
