@@ -42,8 +42,8 @@ def test_config_file_keys(tmp_path) -> None:
     cfg.write_text('read_only = "yes"\n')
     with pytest.raises(ConfigError, match="true or false"):
         load_config_file(str(cfg))
-    cfg.write_text('metadata_ttl = 5\n')
-    with pytest.raises(ConfigError, match="unknown key 'metadata_ttl'"):
+    cfg.write_text('metadata_tll = 5\n')
+    with pytest.raises(ConfigError, match="unknown key 'metadata_tll'"):
         load_config_file(str(cfg))
 
 
