@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import errno
 import functools
 import resource
@@ -63,17 +64,32 @@ def result_path(mountpoint: str) -> str:
     return state_path(mountpoint)[:-len(".json")] + ".result"
 
 
-def mount_type(path: str) -> str | None:
-    """The filesystem type mounted at `path` (the last one stacked there), or None."""
-    real = os.path.realpath(path)
+def _mountinfo(real_path: str) -> list[str] | None:
+    """The /proc/self/mountinfo fields of the last mount stacked at `real_path`, or None.
+
+    Reading this file never touches the mount itself, so it is safe while our own mount
+    is not serving yet.
+    """
     found = None
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if len(fields) > 4 and fields[4].replace("\\040", " ") == real:
-                sep = fields.index("-")
-                found = fields[sep + 1] if sep + 1 < len(fields) else ""
+            if len(fields) > 4 and _unescape_mountinfo(fields[4]) == real_path:
+                found = fields
     return found
+
+
+def _unescape_mountinfo(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_type(path: str) -> str | None:
+    """The filesystem type mounted at `path` (the last one stacked there), or None."""
+    fields = _mountinfo(os.path.realpath(path))
+    if fields is None:
+        return None
+    sep = fields.index("-")
+    return fields[sep + 1] if sep + 1 < len(fields) else ""
 
 
 def is_mounted(path: str) -> bool:
@@ -133,6 +149,38 @@ def locked_cache_dir(path: str) -> Iterator[int]:
         os.close(fd)
 
 
+# The kernel's readahead for the mount: its default of 128 KiB makes a sequential reader
+# wait on each 1 MiB request in turn; 16 MiB keeps requests in flight ahead of it
+# (measured: a cold 512 MiB read went from 5.1 s to 3.0 s; bench/read_bench.py).
+READAHEAD_KB = 16384
+
+
+async def _raise_readahead(fs: CheckpointFS, real_mountpoint: str, kb: int) -> None:
+    """Set the mount's backing-device readahead (root only; others keep the default).
+
+    The kernel caps readahead at what the FUSE INIT reply allows (its own 128 KiB offer), so
+    this runs once that reply is out. real_mountpoint must be resolved before the mount:
+    realpath() or stat() of the mount point now would ask this daemon and hang; the device
+    comes from /proc/self/mountinfo for the same reason.
+    """
+    fields = _mountinfo(real_mountpoint)
+    if fields is None:
+        return
+    path = f"/sys/class/bdi/{fields[2]}/read_ahead_kb"
+    await fs.initialized.wait()
+    for _ in range(50):
+        await trio.sleep(0.02)  # the INIT reply is written right after fs.init() returns
+        try:
+            with open(path, "w") as f:
+                f.write(str(kb))
+            with open(path) as f:
+                if int(f.read()) == kb:
+                    return
+        except OSError as exc:
+            log.debug("could not raise the readahead of %s: %s", real_mountpoint, exc)
+            return
+
+
 def _raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
@@ -189,6 +237,7 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
                        "cache_dir": config.cache_dir, "recovery": report.as_dict()})
     metrics_server = serve_metrics(config.metrics_addr, stats) if config.metrics_addr else None
     notifier = Notifier()
+    real_mountpoint = os.path.realpath(config.mountpoint)
     try:
         pyfuse3.init(fs, config.mountpoint, options)
     except RuntimeError as exc:
@@ -206,6 +255,7 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
             await nursery.start(control.serve, control_sock, _control_handlers(fs, stats))
             nursery.start_soon(_watch_signals, fs, config.drain_timeout, stats, notifier)
             nursery.start_soon(_report_status, stats, notifier)
+            nursery.start_soon(_raise_readahead, fs, real_mountpoint, READAHEAD_KB)
             if config.spot_termination_watch:
                 nursery.start_soon(watch_spot, config.imds_endpoint, config.spot_poll_interval,
                                    functools.partial(_on_spot_notice, fs))

@@ -90,6 +90,7 @@ class CheckpointFS(pyfuse3.Operations):
         self.ttl = metadata_ttl
         self.cache = cache
         self.draining = False
+        self.initialized = trio.Event()  # set once the kernel's FUSE INIT has been answered
         self.spot_notice: dict | None = None
         self.durability = durability
         self.queue = UploadQueue(self._commit_in_background, self.table.path_of)
@@ -101,6 +102,10 @@ class CheckpointFS(pyfuse3.Operations):
         self._next_fh = 1
 
     # ----- helpers -------------------------------------------------------
+
+    def init(self) -> None:
+        # libfuse calls this while it answers the kernel's INIT; the reply goes out right after.
+        self.initialized.set()
 
     def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()

@@ -44,6 +44,23 @@ class ReadStream:
     window: int = 0  # chunks to keep fetched ahead of the reader
     last_chunk: int = -1
 
+    def advance(self, offset: int, end: int, chunk_size: int, max_window: int) -> None:
+        """Account for a read of [offset, end): continue the sequential stream or reset it."""
+        last = (end - 1) // chunk_size
+        # The kernel's own readahead keeps several requests in flight, so a sequential reader's
+        # requests may arrive a little out of order: anything near the stream continues it.
+        near = (self.next_offset - chunk_size <= offset
+                <= self.next_offset + max(self.window, 1) * chunk_size)
+        if self.sequential_reads and near or offset == self.next_offset:
+            self.sequential_reads += 1
+        else:
+            self.sequential_reads = 0
+            self.window = 0
+        self.next_offset = max(end, self.next_offset) if near else end
+        if self.sequential_reads >= 2 and last > self.last_chunk:
+            self.window = min(max(2, self.window * 2), max_window)
+        self.last_chunk = max(last, self.last_chunk) if self.sequential_reads else last
+
 
 class ChunkReader:
     def __init__(self, s3: S3Client, cache: ObjectCache | None = None, chunk_size: int = 8 * MiB,
@@ -73,15 +90,7 @@ class ChunkReader:
                 self.hits += 1
                 return os.pread(fd, end - offset, offset)
         first, last = offset // self.chunk_size, (end - 1) // self.chunk_size
-        if offset == stream.next_offset:
-            stream.sequential_reads += 1
-        else:
-            stream.sequential_reads = 0
-            stream.window = 0
-        stream.next_offset = end
-        if stream.sequential_reads >= 2 and last > stream.last_chunk:
-            stream.window = min(max(1, stream.window * 2), self.max_window)
-        stream.last_chunk = last
+        stream.advance(offset, end, self.chunk_size, self.max_window)
         if stream.window and self.readahead and self.nursery is not None:
             n_chunks = (size + self.chunk_size - 1) // self.chunk_size
             for k in range(last + 1, min(last + 1 + stream.window, n_chunks)):

@@ -146,3 +146,25 @@ def test_the_cache_stays_within_its_budget_and_never_evicts_unsent_files(proxied
     from conftest import run_ckptfs
     assert run_ckptfs("sync", str(mnt.path)).returncode == 0
     assert s3_bytes(s3, f"{prefix}/pending.pt") == pending
+
+
+def test_a_sequential_stream_survives_slightly_out_of_order_requests_and_resets_on_a_jump() -> None:
+    from ckptfs.prefetch import ReadStream
+    chunk = 8 * MiB
+    stream = ReadStream()
+    windows = []
+    # 1 MiB requests, as the kernel sends them, with some of its readahead arriving early
+    order = [0, 1, 2, 4, 3, 5, 6, 7, 9, 8] + list(range(10, 64))
+    for i in order:
+        stream.advance(i * MiB, (i + 1) * MiB, chunk, max_window=16)
+        windows.append(stream.window)
+    assert windows == sorted(windows) and windows[-1] >= 8  # it only ever grew
+    stream.advance(900 * MiB, 901 * MiB, chunk, max_window=16)  # a seek far away
+    assert stream.window == 0 and stream.sequential_reads == 0
+
+
+def test_the_mount_reads_ahead_more_than_the_kernel_default(mounter) -> None:
+    mnt = mounter()
+    st = os.stat(mnt.path)
+    with open(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb") as f:
+        assert int(f.read()) == 16384
