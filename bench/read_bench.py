@@ -1,0 +1,242 @@
+"""Read-path benchmark: ckptfs against its peers on one local SeaweedFS, in one run.
+
+    .venv/bin/python bench/read_bench.py [--gib 1] [--objects 10000] [--skip-peers]
+
+Times, with the page cache dropped before each: a cold sequential read of a GiB object
+through ckptfs (fresh mount, empty cache) against boto3 download_file (tuned), s3fs-fuse
+and rclone mount; a warm read (ckptfs's disk cache, after a remount) and the read-back of
+a file written through ckptfs on this host, against a read from local disk; torch.load
+of a checkpoint in a fresh mount against boto3 download then torch.load from local disk;
+`ls -l` of a directory of N objects through ckptfs and s3fs. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from write_bench import TUNED, Row, drop_caches, unmount, wait_mount  # noqa: E402
+
+from ckptfs import devserver  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+READ = 4 * MiB
+
+
+def read_all(path: str) -> int:
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(READ):
+            n += len(chunk)
+    return n
+
+
+class ReadBench:
+    def __init__(self, work: str, server: devserver.DevServer) -> None:
+        self.work, self.server = work, server
+        self.bucket = server.bucket
+        self.s3 = server.client()
+        self.env = devserver.client_env(server.endpoint)
+        self.rows: list[Row] = []
+        self._n = 0
+
+    def path(self, name: str) -> str:
+        self._n += 1
+        return os.path.join(self.work, f"{name}-{self._n}")
+
+    def timed(self, workload: str, method: str, size: int, fn, note: str = "") -> float:
+        drop_caches()
+        t = time.monotonic()
+        fn()
+        elapsed = time.monotonic() - t
+        self.rows.append(Row(workload, method, elapsed, size, note))
+        print(f"  {workload}: {method}: {elapsed:.2f}s", flush=True)
+        return elapsed
+
+    # ----- mounts ------------------------------------------------------------
+
+    def mount_ckptfs(self, cache: str, prefix: str = "data") -> str:
+        mnt = self.path("ck-mnt")
+        os.mkdir(mnt)
+        r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{self.bucket}/{prefix}", mnt,
+                            "--cache-dir", cache], env=self.env, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"ckptfs mount failed: {r.stderr}")
+        return mnt
+
+    def unmount_ckptfs(self, mnt: str) -> None:
+        subprocess.run([sys.executable, "-m", "ckptfs", "unmount", mnt], env=self.env, capture_output=True)
+        unmount(mnt)
+
+    def mount_s3fs(self) -> str:
+        mnt = self.path("s3fs-mnt")
+        os.mkdir(mnt)
+        passwd = self.path("s3fs-passwd")
+        with open(passwd, "w") as f:
+            f.write(f"{devserver.ACCESS_KEY}:{devserver.SECRET_KEY}\n")
+        os.chmod(passwd, 0o600)
+        subprocess.run(["s3fs", f"{self.bucket}:/data", mnt, "-o", f"url={self.server.endpoint}",
+                        "-o", "use_path_request_style", "-o", f"passwd_file={passwd}"], check=True, env=self.env)
+        wait_mount(mnt)
+        return mnt
+
+    def mount_rclone(self) -> tuple[str, subprocess.Popen]:
+        mnt = self.path("rclone-mnt")
+        os.mkdir(mnt)
+        env = dict(self.env, RCLONE_CONFIG_BENCH_TYPE="s3", RCLONE_CONFIG_BENCH_PROVIDER="Other",
+                   RCLONE_CONFIG_BENCH_ENDPOINT=self.server.endpoint,
+                   RCLONE_CONFIG_BENCH_ACCESS_KEY_ID=devserver.ACCESS_KEY,
+                   RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY=devserver.SECRET_KEY)
+        proc = subprocess.Popen(["rclone", "mount", f"bench:{self.bucket}/data", mnt,
+                                 "--cache-dir", self.path("rclone-cache")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_mount(mnt, proc)
+        return mnt, proc
+
+    @staticmethod
+    def daemon_note(mnt: str) -> str:
+        from ckptfs.daemon import state_path
+        pid = json.load(open(state_path(mnt)))["pid"]
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        rss = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{pid}/status")
+                   if line.startswith("VmHWM:"))
+        return f"daemon {cpu:.1f} CPU s, peak RSS {rss / MiB:.0f} MiB"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="size of the object read (GiB)")
+    ap.add_argument("--objects", type=int, default=10000, help="objects in the ls -l directory (0: skip)")
+    ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--work", default="/var/tmp")
+    args = ap.parse_args()
+    if not args.skip_peers and any(shutil.which(t) is None for t in ("s3fs", "rclone")):
+        print("bench: install the peers first: apt-get install s3fs rclone", file=sys.stderr)
+        return 2
+    work = tempfile.mkdtemp(prefix="ckptfs-rbench-", dir=args.work)
+    server = devserver.start(os.path.join(work, "s3"), bucket="bench")
+    b = ReadBench(work, server)
+    size = int(args.gib * GiB)
+    mounts: list[str] = []
+    try:
+        print("preparing objects", flush=True)
+        src = os.path.join(work, "random.bin")
+        with open(src, "wb") as f:
+            for _ in range(size // (64 * MiB)):
+                f.write(os.urandom(64 * MiB))
+        b.s3.upload_file(src, b.bucket, "data/cold.bin", Config=TUNED)
+        import torch
+        ckpt = os.path.join(work, "ckpt.pt")
+        torch.save({f"layer{i}": torch.randn(16 * MiB) for i in range(size // (64 * MiB))}, ckpt)
+        ckpt_size = os.path.getsize(ckpt)
+        b.s3.upload_file(ckpt, b.bucket, "data/ckpt.pt", Config=TUNED)
+        os.unlink(ckpt)
+        if args.objects:
+            with ThreadPoolExecutor(32) as pool:
+                list(pool.map(lambda i: b.s3.put_object(Bucket=b.bucket, Key=f"data/many/f{i:06d}.pt",
+                                                        Body=b"x"), range(args.objects)))
+
+        w = f"object-{args.gib:g}GiB"
+        dl = os.path.join(work, "downloaded.bin")
+        b.timed(w, "boto3 download_file (tuned)", size,
+                lambda: b.s3.download_file(b.bucket, "data/cold.bin", dl, Config=TUNED))
+        b.timed(w, "local disk read", size, lambda: read_all(dl))
+        os.unlink(dl)
+        cache = b.path("ck-cache")
+        mnt = b.mount_ckptfs(cache)
+        mounts.append(mnt)
+        b.timed(w, "ckptfs cold read (fresh mount, empty cache)", size,
+                lambda: read_all(os.path.join(mnt, "cold.bin")))
+        b.rows[-1].note = b.daemon_note(mnt)
+        b.unmount_ckptfs(mnt)
+        mnt = b.mount_ckptfs(cache)  # same cache dir: warm
+        mounts.append(mnt)
+        b.timed(w, "ckptfs warm read (disk cache, after remount)", size,
+                lambda: read_all(os.path.join(mnt, "cold.bin")))
+        shutil.copyfile(src, os.path.join(mnt, "written.bin"))  # close mode: in S3 on return
+        b.timed(w, "ckptfs read-back of a file written here", size,
+                lambda: read_all(os.path.join(mnt, "written.bin")))
+        b.unmount_ckptfs(mnt)
+        os.unlink(src)
+        if not args.skip_peers:
+            s3fs = b.mount_s3fs()
+            mounts.append(s3fs)
+            b.timed(w, "s3fs-fuse cold read", size, lambda: read_all(os.path.join(s3fs, "cold.bin")))
+            rcl, proc = b.mount_rclone()
+            mounts.append(rcl)
+            b.timed(w, "rclone mount cold read", size, lambda: read_all(os.path.join(rcl, "cold.bin")))
+            unmount(rcl)
+            proc.terminate()
+            proc.wait(30)
+
+        t = f"torch.load-{args.gib:g}GiB"
+        local_ckpt = os.path.join(work, "dl.pt")
+        b.timed(t, "boto3 download, then torch.load from local disk", ckpt_size, lambda: (
+            b.s3.download_file(b.bucket, "data/ckpt.pt", local_ckpt, Config=TUNED), torch.load(local_ckpt)))
+        os.unlink(local_ckpt)
+        mnt = b.mount_ckptfs(b.path("ck-cache"))
+        mounts.append(mnt)
+        b.timed(t, "ckptfs torch.load (fresh mount, empty cache)", ckpt_size,
+                lambda: torch.load(os.path.join(mnt, "ckpt.pt")))
+        b.unmount_ckptfs(mnt)
+
+        if args.objects:
+            ls = f"ls -l {args.objects} objects"
+            mnt = b.mount_ckptfs(b.path("ck-cache"))
+            mounts.append(mnt)
+            b.timed(ls, "ckptfs (fresh mount)", 0, lambda: subprocess.run(
+                ["ls", "-l", os.path.join(mnt, "many")], check=True, stdout=subprocess.DEVNULL))
+            b.unmount_ckptfs(mnt)
+            if not args.skip_peers:
+                b.timed(ls, "s3fs-fuse", 0, lambda: subprocess.run(
+                    ["ls", "-l", os.path.join(s3fs, "many")], check=True, stdout=subprocess.DEVNULL))
+        print()
+        print(report(b.rows))
+        return 0
+    finally:
+        for m in mounts:
+            unmount(m)
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report(rows: list[Row]) -> str:
+    lines = [f"ckptfs read benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()}: {os.cpu_count()} cores, "
+             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, SeaweedFS on loopback",
+             "", "| workload | method | seconds | MiB/s | notes |", "|---|---|---:|---:|---|"]
+    for r in rows:
+        rate = f"{r.mib_s:.0f}" if r.size else ""
+        lines.append(f"| {r.workload} | {r.method} | {r.seconds:.2f} | {rate} | {r.note} |")
+    t = {r.method: r.seconds for r in rows}
+    lines.append("")
+
+    def ratio(text: str, num: str, den: str, target: str) -> None:
+        if num in t and den in t and t[den]:
+            lines.append(f"- {text} = {t[num] / t[den]:.2f} ({target})")
+    ratio("cold read throughput / boto3 download_file", "boto3 download_file (tuned)",
+          "ckptfs cold read (fresh mount, empty cache)", "target >= 0.9")
+    ratio("cold read throughput / s3fs-fuse", "s3fs-fuse cold read",
+          "ckptfs cold read (fresh mount, empty cache)", "target >= 1.0")
+    ratio("warm read throughput / local disk", "local disk read",
+          "ckptfs warm read (disk cache, after remount)", "target >= 0.8")
+    ratio("read-back throughput / local disk", "local disk read",
+          "ckptfs read-back of a file written here", "target >= 0.8")
+    ratio("torch.load time / (boto3 download + torch.load)", "ckptfs torch.load (fresh mount, empty cache)",
+          "boto3 download, then torch.load from local disk", "target <= 1.2")
+    ratio("ls -l time, ckptfs / s3fs", "ckptfs (fresh mount)", "s3fs-fuse", "lower is better")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
