@@ -74,6 +74,9 @@ class ChunkReader:
             maxsize=memory_budget, getsizeof=len)
         self._fetching: dict[ChunkId, _Fetch] = {}
         self.nursery: trio.Nursery | None = None  # set by the daemon; holds readahead fetches
+        # Local reads run in threads so the kernel's parallel readahead requests overlap the
+        # disk with the FUSE loop instead of queueing behind each pread.
+        self._local_reads = trio.CapacityLimiter(4)
         self.hits = 0  # chunks (or whole-object reads) served from memory or the disk cache
         self.misses = 0  # chunks fetched from S3
         self.bytes_downloaded = 0
@@ -88,7 +91,7 @@ class ChunkReader:
             fd = self.cache.whole_fd(key, etag)
             if fd is not None:
                 self.hits += 1
-                return os.pread(fd, end - offset, offset)
+                return await self.pread_local(fd, end - offset, offset)
         first, last = offset // self.chunk_size, (end - 1) // self.chunk_size
         stream.advance(offset, end, self.chunk_size, self.max_window)
         if stream.window and self.readahead and self.nursery is not None:
@@ -101,6 +104,15 @@ class ChunkReader:
             base = k * self.chunk_size
             pieces.append(chunk[max(offset, base) - base:min(end, base + len(chunk)) - base])
         return b"".join(pieces)
+
+    async def pread_local(self, fd: int, size: int, offset: int) -> bytes:
+        """pread off the FUSE loop. The dup keeps the file open if its owner closes `fd`
+        meanwhile (cache eviction, release), so a reused descriptor number is never read."""
+        own = os.dup(fd)
+        try:
+            return await trio.to_thread.run_sync(os.pread, own, size, offset, limiter=self._local_reads)
+        finally:
+            os.close(own)
 
     def _start(self, cid: ChunkId, size: int) -> None:
         if cid in self._fetching or cid in self._chunks:
