@@ -24,7 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from write_bench import TUNED, Row, drop_caches, unmount, wait_mount  # noqa: E402
+from write_bench import (TUNED, Bench, Row, drop_caches, mount_s3fs, rclone_env,  # noqa: E402
+                         unmount, wait_mount)
 
 from ckptfs import devserver  # noqa: E402
 
@@ -80,26 +81,16 @@ class ReadBench:
 
     def mount_s3fs(self) -> str:
         mnt = self.path("s3fs-mnt")
-        os.mkdir(mnt)
-        passwd = self.path("s3fs-passwd")
-        with open(passwd, "w") as f:
-            f.write(f"{devserver.ACCESS_KEY}:{devserver.SECRET_KEY}\n")
-        os.chmod(passwd, 0o600)
-        subprocess.run(["s3fs", f"{self.bucket}:/data", mnt, "-o", f"url={self.server.endpoint}",
-                        "-o", "use_path_request_style", "-o", f"passwd_file={passwd}"], check=True, env=self.env)
-        wait_mount(mnt)
+        mount_s3fs(self.server, "data", mnt, self.path("s3fs-passwd"), self.env)
         return mnt
 
     def mount_rclone(self) -> tuple[str, subprocess.Popen]:
         mnt = self.path("rclone-mnt")
         os.mkdir(mnt)
-        env = dict(self.env, RCLONE_CONFIG_BENCH_TYPE="s3", RCLONE_CONFIG_BENCH_PROVIDER="Other",
-                   RCLONE_CONFIG_BENCH_ENDPOINT=self.server.endpoint,
-                   RCLONE_CONFIG_BENCH_ACCESS_KEY_ID=devserver.ACCESS_KEY,
-                   RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY=devserver.SECRET_KEY)
         proc = subprocess.Popen(["rclone", "mount", f"bench:{self.bucket}/data", mnt,
                                  "--cache-dir", self.path("rclone-cache")],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                env=rclone_env(self.server, self.env),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_mount(mnt, proc)
         return mnt, proc
 
@@ -107,11 +98,7 @@ class ReadBench:
     def daemon_note(mnt: str) -> str:
         from ckptfs.daemon import state_path
         pid = json.load(open(state_path(mnt)))["pid"]
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        rss = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{pid}/status")
-                   if line.startswith("VmHWM:"))
-        return f"daemon {cpu:.1f} CPU s, peak RSS {rss / MiB:.0f} MiB"
+        return f"daemon {Bench._cpu(pid):.1f} CPU s, peak RSS {Bench._peak_rss(pid) / MiB:.0f} MiB"
 
 
 def main() -> int:

@@ -76,6 +76,25 @@ def unmount(path: str) -> None:
         time.sleep(0.2)
 
 
+def mount_s3fs(server: devserver.DevServer, subdir: str, mnt: str, passwd: str, env: dict) -> None:
+    """Mount the bucket's `subdir` with s3fs-fuse at `mnt` (a new directory) and wait for it."""
+    os.mkdir(mnt)
+    with open(passwd, "w") as f:
+        f.write(f"{devserver.ACCESS_KEY}:{devserver.SECRET_KEY}\n")
+    os.chmod(passwd, 0o600)
+    subprocess.run(["s3fs", f"{server.bucket}:/{subdir}", mnt, "-o", f"url={server.endpoint}",
+                    "-o", "use_path_request_style", "-o", f"passwd_file={passwd}"], check=True, env=env)
+    wait_mount(mnt)
+
+
+def rclone_env(server: devserver.DevServer, env: dict) -> dict:
+    """`env` plus an rclone remote named `bench` for the local server."""
+    return dict(env, RCLONE_CONFIG_BENCH_TYPE="s3", RCLONE_CONFIG_BENCH_PROVIDER="Other",
+                RCLONE_CONFIG_BENCH_ENDPOINT=server.endpoint,
+                RCLONE_CONFIG_BENCH_ACCESS_KEY_ID=devserver.ACCESS_KEY,
+                RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY=devserver.SECRET_KEY)
+
+
 class Bench:
     def __init__(self, work: str, server: devserver.DevServer) -> None:
         self.work = work
@@ -183,16 +202,8 @@ class Bench:
 
     def s3fs(self, workload: str, write: Callable[[str], None], size: int) -> None:
         mnt = self.path("s3fs-mnt")
-        os.mkdir(mnt)
-        passwd = self.path("s3fs-passwd")
-        with open(passwd, "w") as f:
-            f.write(f"{devserver.ACCESS_KEY}:{devserver.SECRET_KEY}\n")
-        os.chmod(passwd, 0o600)
-        subprocess.run(["s3fs", f"{self.server.bucket}:/s3fs", mnt, "-o", f"url={self.server.endpoint}",
-                        "-o", "use_path_request_style", "-o", f"passwd_file={passwd}"],
-                       check=True, env=self.env)
+        mount_s3fs(self.server, "s3fs", mnt, self.path("s3fs-passwd"), self.env)
         try:
-            wait_mount(mnt)
             drop_caches()
             t = time.monotonic()
             write(os.path.join(mnt, f"{workload}.bin"))
@@ -204,13 +215,10 @@ class Bench:
     def rclone(self, workload: str, write: Callable[[str], None], size: int) -> None:
         mnt = self.path("rclone-mnt")
         os.mkdir(mnt)
-        env = dict(self.env, RCLONE_CONFIG_BENCH_TYPE="s3", RCLONE_CONFIG_BENCH_PROVIDER="Other",
-                   RCLONE_CONFIG_BENCH_ENDPOINT=self.server.endpoint,
-                   RCLONE_CONFIG_BENCH_ACCESS_KEY_ID=devserver.ACCESS_KEY,
-                   RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY=devserver.SECRET_KEY)
         proc = subprocess.Popen(["rclone", "mount", f"bench:{self.server.bucket}/rclone", mnt,
                                  "--vfs-cache-mode", "writes", "--cache-dir", self.path("rclone-cache")],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                env=rclone_env(self.server, self.env),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         key = f"rclone/{workload}.bin"
         try:
             wait_mount(mnt, proc)
