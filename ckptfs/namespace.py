@@ -150,6 +150,14 @@ class Namespace:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(do_head)
             nursery.start_soon(do_list)
+        # The table may have changed while S3 answered: the kernel's FORGET may have dropped
+        # `child` (answering with it would hand the kernel an inode number nobody knows), or
+        # the mount itself may have created the name.
+        current = self.table.child(parent.ino, name)
+        if current is not child:
+            child = current
+            if child is not None and child.is_local:
+                return child
         page = listing[0]
         if page.objects or page.prefixes:
             if child is not None and child.is_dir:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 
+import trio
+import trio.testing
 
+from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.namespace import Namespace, valid_name
 from ckptfs.s3 import ListPage, ObjectInfo
@@ -57,3 +60,49 @@ async def test_listing_leaves_out_keys_that_cannot_be_paths(caplog) -> None:
     # './', '../', the long name, the file shadowed by 'both/', and 'a//' (an empty name in 'a')
     assert len(warnings) == 5
     assert all(w.count("left out") == 1 for w in warnings)
+
+
+class SlowHead:
+    """HEAD and LIST that wait for the test: a lookup in flight while the kernel forgets."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.release = trio.Event()
+        self.heads = 0
+
+    async def head(self, key: str, checksum: bool = False) -> ObjectInfo:
+        self.heads += 1
+        await self.release.wait()
+        if key != self.key:
+            raise NoSuchKey(key)
+        return ObjectInfo(key, 5, '"e2"', 0.0)
+
+    async def list_page(self, prefix: str, token, delimiter: str = "/", max_keys: int = 1000):
+        await self.release.wait()
+        return ListPage([], []), None
+
+
+async def test_a_lookup_in_flight_when_the_kernel_forgets_the_inode_returns_a_live_one() -> None:
+    # Seen as ENOENT from open() right after drop_caches: the kernel's FORGET of a clean
+    # file arrived while its LOOKUP waited for HEAD, and the lookup answered with the inode
+    # the FORGET had just dropped from the table.
+    fake = SlowHead("p/model.pt")
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(fake, table, 0, 0, ttl=1.0)  # type: ignore[arg-type]
+    root = table[ROOT_INODE]
+    old = ns._new_file(root, "model.pt", ObjectInfo("p/model.pt", 5, '"e1"', 0.0), with_metadata=False)
+    old.validated_at = -1e9  # stale: the next lookup asks S3
+    old.lookups = 1
+    found: list = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: _append(found, ns.lookup(root, "model.pt")))
+        await trio.testing.wait_all_tasks_blocked()
+        table.forget(old.ino, 1)  # the kernel's FORGET, processed meanwhile
+        fake.release.set()
+    (inode,) = found
+    assert inode is not None and table.get(inode.ino) is inode
+    assert table.child(ROOT_INODE, "model.pt") is inode and inode.etag == '"e2"'
+
+
+async def _append(out: list, coro) -> None:
+    out.append(await coro)
