@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 log = logging.getLogger(__name__)
 
-_MAX_FDS = 64
+_MAX_FDS = 256
 
 
 def _h(text: str, n: int) -> str:
@@ -37,7 +37,7 @@ class ObjectCache:
         self.total = 0
         self._lru: OrderedDict[str, int] = OrderedDict()  # name -> bytes
         self._by_key: dict[str, set[str]] = {}  # key hash -> names
-        self._fds: OrderedDict[str, int] = OrderedDict()  # open whole entries
+        self._fds: OrderedDict[str, int] = OrderedDict()  # open entries, LRU
         self.evicted = 0
         self._load()
 
@@ -84,15 +84,15 @@ class ObjectCache:
         if size is None:
             return False
         self.total -= size
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
         kh = name.split("-", 1)[0]
         names = self._by_key.get(kh)
         if names is not None:
             names.discard(name)
             if not names:
                 del self._by_key[kh]
-        fd = self._fds.pop(name, None)
-        if fd is not None:
-            os.close(fd)
         return True
 
     def _remove(self, name: str) -> None:
@@ -121,25 +121,38 @@ class ObjectCache:
 
     # ----- whole objects -----------------------------------------------------
 
-    def whole_fd(self, key: str, etag: str) -> int | None:
-        """A read-only descriptor of the whole object, if it is cached (kept open, LRU)."""
-        name = self._name(key, etag, "all")
-        if name not in self._lru:
-            return None
-        self._lru.move_to_end(name)
-        fd = self._fds.get(name)
-        if fd is None:
+    def local_fd(self, key: str, etag: str, index: int, chunk_size: int,
+                 size: int) -> tuple[int, int] | None:
+        """A read-only descriptor holding chunk `index` of the object, and the object offset
+        where that file starts: the whole object if it is cached, else the chunk's own file.
+        Descriptors stay open (LRU); an entry of the wrong size (torn) is dropped."""
+        want = min(chunk_size, size - index * chunk_size)
+        for part, base, expect in (("all", 0, size), (str(index), index * chunk_size, want)):
+            name = self._name(key, etag, part)
+            if name not in self._lru:
+                continue
+            self._lru.move_to_end(name)
+            fd = self._fds.get(name)
+            if fd is not None:
+                self._fds.move_to_end(name)
+                return fd, base
             try:
                 fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 self._discard(name)
-                return None
+                continue
+            found = os.fstat(fd).st_size
+            if found != expect:
+                os.close(fd)
+                log.warning("read cache: dropping %s: %d bytes where %d were expected", name,
+                            found, expect)
+                self._remove(name)
+                continue
             self._fds[name] = fd
             while len(self._fds) > _MAX_FDS:
                 os.close(self._fds.popitem(last=False)[1])
-        else:
-            self._fds.move_to_end(name)
-        return fd
+            return fd, base
+        return None
 
     def adopt(self, key: str, etag: str, path: str, size: int) -> None:
         """Move a clean local file (an uploaded staged file) in as the whole object."""
@@ -201,27 +214,12 @@ class ObjectCache:
         self._lru.move_to_end(name)
         return self._path(name)
 
-    @staticmethod
-    def read_file(path: str) -> bytes | None:
-        """Blocking: the bytes of a chunk file, or None if it went away."""
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
     def chunk_tmp(self, key: str, etag: str, index: int) -> tuple[str, str]:
         name = self._name(key, etag, str(index))
         return name, self._path(name) + f".{os.getpid()}.tmp"
 
-    @staticmethod
-    def write_file(tmp: str, data: bytes) -> None:
-        """Blocking: write a chunk to its temp file (no fsync: the cache may lose entries)."""
-        with open(tmp, "wb") as f:
-            f.write(data)
-
     def commit_chunk(self, key: str, etag: str, name: str, tmp: str, size: int) -> None:
-        """Publish a chunk written by write_file (on the trio thread)."""
+        """Publish a chunk written to its temp file (on the trio thread)."""
         if size > self.budget:
             os.unlink(tmp)
             return

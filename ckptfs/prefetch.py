@@ -1,22 +1,37 @@
-"""Reads of files that are not on local disk: the read cache, then ranged GETs with readahead.
+"""Reads of files that are not staged here: the read cache on disk, else S3 through buffers.
 
-A read is answered from the whole object in the on-disk cache if it is there (a file written
-on this host, or fully fetched before), else chunk by chunk: the in-memory LRU, the on-disk
-chunk cache, then one ranged GET per chunk. A chunk is fetched at most once at a time (other
-readers wait on the same fetch). Each handle keeps its own stream state: a handle that keeps
-reading sequentially gets a readahead window that doubles every time it enters a new chunk,
-up to `max_window` chunks fetched in parallel ahead of it (the Mountpoint-s3 pattern); a
-random read (torch.load's zip directory at the tail, DCP slices) fetches just its chunks and
-resets only its own handle's window.
+A read of a clean object is answered chunk by chunk (8 MiB). A chunk on disk here (the whole
+object in the read cache, a file written on this host and adopted after its upload, or the
+chunk's own cache file) is read with one pread of just the bytes asked for, in a worker
+thread; the reply is still in the CPU's cache when pyfuse3 copies it to the kernel. A chunk
+that is not is fetched from S3 into one of a fixed pool of page-aligned buffers, by one
+ranged GET received straight into the buffer (no bytes object to fault in and zero), and
+served as memoryviews of it (no slicing copies); it is then written to the disk cache with
+O_DIRECT where the file system allows it, so neither the CPU nor the page cache copies it
+again. On a small machine memory bandwidth is what a read costs, so this path counts copies.
+
+A chunk is fetched at most once at a time (other readers wait on the same fetch). Each
+handle keeps its own stream state: a handle that keeps reading sequentially gets a
+readahead window that doubles every time it enters a new chunk, up to `max_window` chunks
+ahead of it (the Mountpoint-s3 pattern): those on disk are advised into the page cache,
+the others fetched in parallel. A random read (torch.load's zip directory at the tail, DCP
+slices) touches just its chunks and resets only its own handle's window.
+
+Readahead takes only buffers that are free or hold chunks nobody is using, and evicts chunks
+already read before readahead not yet read; a demand read waits for a buffer. A buffer is
+never reused while a reader or a cache write holds its chunk, and no reader holds one chunk
+while it waits for another, so the pool cannot deadlock.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import cachetools
 import trio
 
 from ckptfs.cache import ObjectCache
@@ -28,12 +43,52 @@ log = logging.getLogger(__name__)
 
 ChunkId = tuple[str, str, int]  # key, etag, chunk index
 
+_ALIGN = 4096  # O_DIRECT wants offsets, lengths and addresses aligned to the logical block
 
-@dataclass
-class _Fetch:
-    done: trio.Event = field(default_factory=trio.Event)
-    data: bytes = b""
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _open_direct(path: str, flags: int) -> tuple[int, bool]:
+    """Open with O_DIRECT if the file system supports it; say whether it did."""
+    try:
+        return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC, 0o600), True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.open(path, flags | os.O_CLOEXEC, 0o600), False
+
+
+def store_file(tmp: str, buf: mmap.mmap, length: int) -> None:
+    """Blocking: write the first `length` bytes of `buf` to the new file `tmp` (no fsync:
+    the cache may lose entries, never hold wrong ones; the name is published after this)."""
+    fd, direct = _open_direct(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        view = memoryview(buf)
+        stop = min(_aligned(length), len(buf)) if direct else length
+        n = 0
+        while n < stop:
+            if direct and n % _ALIGN:  # a short write left us unaligned: go on buffered
+                os.close(fd)
+                fd, direct = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC), False
+                stop = length
+            n += os.pwritev(fd, [view[n:stop]], n)
+        if n != length:
+            os.ftruncate(fd, length)  # drop the alignment padding
+    finally:
+        os.close(fd)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    cid: ChunkId
+    buf: mmap.mmap
+    ready: trio.Event = field(default_factory=trio.Event)
+    length: int = 0
     error: BaseException | None = None
+    users: int = 0  # readers waiting for it or replying from it, and its cache write
+    read: bool = False  # a reader has used it (readahead not yet read is worth more)
 
 
 @dataclass
@@ -41,16 +96,17 @@ class ReadStream:
     """Per-handle read state used to tell sequential readers from random ones."""
     next_offset: int = 0
     sequential_reads: int = 0
-    window: int = 0  # chunks to keep fetched ahead of the reader
+    window: int = 0  # chunks to keep loaded ahead of the reader
     last_chunk: int = -1
+    ahead: int = -1  # the last chunk readahead has started on
 
     def advance(self, offset: int, end: int, chunk_size: int, max_window: int) -> None:
         """Account for a read of [offset, end): continue the sequential stream or reset it."""
         last = (end - 1) // chunk_size
         # The kernel's own readahead keeps several requests in flight, so a sequential reader's
-        # requests may arrive a little out of order: anything near the stream continues it.
-        near = (self.next_offset - chunk_size <= offset
-                <= self.next_offset + max(self.window, 1) * chunk_size)
+        # requests arrive out of order (a later batch can be answered before an earlier one):
+        # anything within the window either side of the stream continues it.
+        near = abs(offset - self.next_offset) <= max(self.window, 2) * chunk_size
         if self.sequential_reads and near or offset == self.next_offset:
             self.sequential_reads += 1
         else:
@@ -64,121 +120,219 @@ class ReadStream:
 
 class ChunkReader:
     def __init__(self, s3: S3Client, cache: ObjectCache | None = None, chunk_size: int = 8 * MiB,
-                 memory_budget: int = 256 * MiB, max_window: int = 16) -> None:
+                 memory_budget: int = 192 * MiB, max_window: int = 16) -> None:
+        assert chunk_size % _ALIGN == 0
         self.s3 = s3
         self.cache = cache
         self.chunk_size = chunk_size
         self.max_window = max_window
         self.readahead = True  # off after a spot notice: the bandwidth goes to uploads
-        self._chunks: cachetools.LRUCache[ChunkId, bytes] = cachetools.LRUCache(
-            maxsize=memory_budget, getsizeof=len)
-        self._fetching: dict[ChunkId, _Fetch] = {}
-        self.nursery: trio.Nursery | None = None  # set by the daemon; holds readahead fetches
+        self._slots = max(2, memory_budget // chunk_size)
+        self._buffers = 0  # allocated so far (lazily: an idle mount holds none)
+        self._free: list[mmap.mmap] = []
+        self._chunks: OrderedDict[ChunkId, _Chunk] = OrderedDict()  # loading or loaded, LRU
+        self._released = trio.Event()  # set whenever a chunk's last user lets go
+        self.nursery: trio.Nursery | None = None  # set by the daemon; holds readahead loads
         # Local reads run in threads so the kernel's parallel readahead requests overlap the
-        # disk with the FUSE loop instead of queueing behind each pread.
+        # disk with the FUSE loop instead of queueing behind each read.
         self._local_reads = trio.CapacityLimiter(4)
-        self.hits = 0  # chunks (or whole-object reads) served from memory or the disk cache
+        # Readahead advice for cached files goes out one call at a time, in order.
+        self._advice = trio.CapacityLimiter(1)
+        self.hits = 0  # chunks served from memory or the disk cache
         self.misses = 0  # chunks fetched from S3
         self.bytes_downloaded = 0
         self.gets = 0
 
     async def read(self, key: str, etag: str, size: int, offset: int, length: int,
-                   stream: ReadStream) -> bytes:
+                   stream: ReadStream) -> bytes | memoryview:
         end = min(offset + length, size)
         if offset >= end:
             return b""
-        if self.cache is not None:
-            fd = self.cache.whole_fd(key, etag)
-            if fd is not None:
-                self.hits += 1
-                return await self.pread_local(fd, end - offset, offset)
         first, last = offset // self.chunk_size, (end - 1) // self.chunk_size
         stream.advance(offset, end, self.chunk_size, self.max_window)
         if stream.window and self.readahead and self.nursery is not None:
-            n_chunks = (size + self.chunk_size - 1) // self.chunk_size
-            for k in range(last + 1, min(last + 1 + stream.window, n_chunks)):
-                self._start((key, etag, k), size)
-        pieces = []
+            self._read_ahead(key, etag, size, last, stream)
+        pieces: list[bytes] = []
         for k in range(first, last + 1):
-            chunk = await self._chunk((key, etag, k), size)
+            cid = (key, etag, k)
             base = k * self.chunk_size
-            pieces.append(chunk[max(offset, base) - base:min(end, base + len(chunk)) - base])
+            lo, hi = max(offset, base), min(end, base + self.chunk_size)
+            local = None
+            if cid not in self._chunks and self.cache is not None:
+                local = self.cache.local_fd(key, etag, k, self.chunk_size, size)
+            if local is not None:
+                # On disk here: read just what was asked, straight into a reply that is
+                # still in the CPU's cache when pyfuse3 copies it to the kernel.
+                fd, file_base = local
+                self.hits += 1
+                data = await self.pread_local(fd, hi - lo, lo - file_base)
+                if len(data) != hi - lo:
+                    raise OSError(errno.EIO, f"read cache entry of {key} is short")
+                if first == last:
+                    return data
+                pieces.append(data)
+                continue
+            chunk = await self._use(cid, size)
+            try:
+                view = memoryview(chunk.buf)[lo - base:hi - base]
+                if first == last:
+                    # pyfuse3 replies from this view before any other task runs, so the
+                    # buffer cannot be reused under it.
+                    return view
+                pieces.append(bytes(view))  # never hold one chunk while waiting for the next
+            finally:
+                self._unuse(chunk)
         return b"".join(pieces)
+
+    def _read_ahead(self, key: str, etag: str, size: int, last: int, stream: ReadStream) -> None:
+        """Keep the stream's window ahead of `last` loading: chunks on disk here are advised
+        into the page cache, the others are fetched into buffers."""
+        n_chunks = (size + self.chunk_size - 1) // self.chunk_size
+        stop = min(last + 1 + stream.window, n_chunks)
+        if not last <= stream.ahead < stop:
+            stream.ahead = last
+        for k in range(stream.ahead + 1, stop):
+            cid = (key, etag, k)
+            local = None
+            if cid not in self._chunks and self.cache is not None:
+                local = self.cache.local_fd(key, etag, k, self.chunk_size, size)
+            if local is not None:
+                fd, file_base = local
+                self._advise(fd, k * self.chunk_size - file_base,
+                             min(self.chunk_size, size - k * self.chunk_size))
+            elif not self._start(cid, size):
+                return  # no buffer to spare: the reader catches up first
+            stream.ahead = k
+
+    def _advise(self, fd: int, offset: int, length: int) -> None:
+        own = os.dup(fd)
+
+        async def advise() -> None:
+            try:
+                await trio.to_thread.run_sync(os.posix_fadvise, own, offset, length,
+                                              os.POSIX_FADV_WILLNEED, limiter=self._advice)
+            except OSError:
+                pass  # only a hint
+            finally:
+                os.close(own)
+        assert self.nursery is not None
+        self.nursery.start_soon(advise)
 
     async def pread_local(self, fd: int, size: int, offset: int) -> bytes:
         """pread off the FUSE loop. The dup keeps the file open if its owner closes `fd`
-        meanwhile (cache eviction, release), so a reused descriptor number is never read."""
+        meanwhile (release), so a reused descriptor number is never read."""
         own = os.dup(fd)
         try:
             return await trio.to_thread.run_sync(os.pread, own, size, offset, limiter=self._local_reads)
         finally:
             os.close(own)
 
-    def _start(self, cid: ChunkId, size: int) -> None:
-        if cid in self._fetching or cid in self._chunks:
-            return
-        fetch = self._fetching[cid] = _Fetch()
-        assert self.nursery is not None
-        self.nursery.start_soon(self._run, cid, size, fetch)
+    # ----- the buffer pool ---------------------------------------------------
 
-    async def _chunk(self, cid: ChunkId, size: int) -> bytes:
-        data = self._chunks.get(cid)
-        if data is not None:
-            self.hits += 1
-            return data
-        fetch = self._fetching.get(cid)
-        if fetch is None:
-            fetch = self._fetching[cid] = _Fetch()
-            await self._run(cid, size, fetch)
+    def _claim(self, cid: ChunkId) -> _Chunk | None:
+        """A new chunk entry for `cid` in a buffer that is free, never used, or holds the least
+        recently used chunk nobody is using; None if every buffer is busy."""
+        if self._free:
+            buf = self._free.pop()
+        elif self._buffers < self._slots:
+            self._buffers += 1
+            buf = mmap.mmap(-1, self.chunk_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         else:
-            await fetch.done.wait()
-        if fetch.error is not None:
-            raise fetch.error
-        return fetch.data
+            idle = [c for c in self._chunks.values() if not c.users and c.ready.is_set()]
+            # The least recently used chunk that was read; readahead nobody read yet goes last.
+            victim = next((c for c in idle if c.read), idle[0] if idle else None)
+            if victim is None:
+                return None
+            del self._chunks[victim.cid]
+            buf = victim.buf
+        chunk = self._chunks[cid] = _Chunk(cid, buf)
+        return chunk
 
-    async def _run(self, cid: ChunkId, size: int, fetch: _Fetch) -> None:
-        key, etag, k = cid
+    def _unuse(self, chunk: _Chunk) -> None:
+        chunk.users -= 1
+        if not chunk.users:
+            self._released.set()
+
+    def _start(self, cid: ChunkId, size: int) -> bool:
+        """Begin a readahead load unless it is loaded or loading; False if no buffer is free."""
+        if cid in self._chunks:
+            return True
+        chunk = self._claim(cid)
+        if chunk is None:
+            return False
+        assert self.nursery is not None
+        self.nursery.start_soon(self._load, chunk, size)
+        return True
+
+    async def _use(self, cid: ChunkId, size: int) -> _Chunk:
+        """The loaded chunk `cid`, held for the caller until it calls _unuse."""
+        while (chunk := self._chunks.get(cid)) is None:
+            chunk = self._claim(cid)
+            if chunk is not None:
+                chunk.users += 1
+                await self._load(chunk, size)
+                break
+            if self._released.is_set():
+                self._released = trio.Event()
+            await self._released.wait()  # every buffer is loading or in use
+        else:
+            chunk.users += 1
+            self._chunks.move_to_end(cid)
+            if chunk.ready.is_set():
+                self.hits += 1
+            await chunk.ready.wait()
+        if chunk.error is not None:
+            self._unuse(chunk)
+            raise chunk.error
+        chunk.read = True
+        return chunk
+
+    # ----- loading -----------------------------------------------------------
+
+    async def _load(self, chunk: _Chunk, size: int) -> None:
+        key, etag, k = chunk.cid
         start = k * self.chunk_size
         want = min(start + self.chunk_size, size) - start
-        from_s3 = False
         try:
-            data = None
-            path = self.cache.chunk_path(key, etag, k) if self.cache is not None else None
-            if path is not None:
-                data = await trio.to_thread.run_sync(ObjectCache.read_file, path)
-                if data is not None and len(data) != want:
-                    data = None  # a torn entry: fetch it again
-            if data is None:
-                self.misses += 1
-                self.gets += 1
-                data = await self.s3.get_range(key, start, start + want, etag)
-                self.bytes_downloaded += len(data)
-                from_s3 = True
-            else:
-                self.hits += 1
-            fetch.data = data
-            self._chunks[cid] = data
+            self.misses += 1
+            self.gets += 1
+            await self.s3.get_range_into(key, start, chunk.buf, want, etag)
+            self.bytes_downloaded += want
+            chunk.length = want
         except Exception as exc:  # handed to every waiter; readahead failures are only logged
-            fetch.error = exc
-            log.debug("fetch of %s chunk %d failed: %s", key, k, exc)
+            chunk.error = exc
+            log.debug("load of %s chunk %d failed: %s", key, k, exc)
         finally:
-            if fetch.error is None and not fetch.data and want > 0:
-                fetch.error = S3Error(f"fetch of {key} chunk {k} was cancelled")
-            self._fetching.pop(cid, None)
-            fetch.done.set()
-        if from_s3 and self.cache is not None:
-            await self._keep(key, etag, k, fetch.data)
+            if chunk.error is None and chunk.length != want:
+                chunk.error = S3Error(f"load of {key} chunk {k} was cancelled")
+            if chunk.error is not None:
+                # Its waiters only look at the error: the buffer is free again.
+                if self._chunks.get(chunk.cid) is chunk:
+                    del self._chunks[chunk.cid]
+                self._free.append(chunk.buf)
+            chunk.ready.set()
+            self._released.set()  # loaded and unused, or freed: either may be claimed now
+        if chunk.error is None and self.cache is not None:
+            chunk.users += 1  # the buffer stays put until the disk has it
+            if self.nursery is not None:
+                self.nursery.start_soon(self._keep, chunk)  # its readers need not wait for it
+            else:
+                await self._keep(chunk)
 
-    async def _keep(self, key: str, etag: str, k: int, data: bytes) -> None:
-        """Write a fetched chunk to the disk cache, after its readers have it."""
+    async def _keep(self, chunk: _Chunk) -> None:
+        """Write a fetched chunk to the disk cache, then let go of its buffer."""
         assert self.cache is not None
+        key, etag, k = chunk.cid
         name, tmp = self.cache.chunk_tmp(key, etag, k)
         try:
-            await trio.to_thread.run_sync(ObjectCache.write_file, tmp, data)
-            self.cache.commit_chunk(key, etag, name, tmp, len(data))
+            await trio.to_thread.run_sync(store_file, tmp, chunk.buf, chunk.length,
+                                          limiter=self._local_reads)
+            self.cache.commit_chunk(key, etag, name, tmp, chunk.length)
         except OSError as exc:  # a full cache disk only costs a later GET
             log.debug("could not cache chunk %d of %s: %s", k, key, exc)
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+        finally:
+            self._unuse(chunk)

@@ -9,6 +9,7 @@ botocore types.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import datetime as dt
 import zlib
 import logging
@@ -95,6 +96,36 @@ def make_boto_client(endpoint_url: str | None, region: str | None, profile: str 
                           config=config)
 
 
+def _read_body_into(key: str, body: Any, out: memoryview) -> None:
+    """Fill `out` from a botocore StreamingBody. The http.client response under urllib3's
+    reads straight into a buffer (urllib3's own readinto reads into a temporary bytes first);
+    where that layer is not there, fall back to read()."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if fp is None or not hasattr(fp, "readinto") or not hasattr(raw, "release_conn"):
+        with _mapped("GET", key):
+            data = body.read()
+        if len(data) != len(out):
+            raise S3Error(f"GET {key}: short body ({len(data)} of {len(out)} bytes)", retryable=True)
+        out[:] = data
+        return
+    n = 0
+    try:
+        while n < len(out):
+            got = fp.readinto(out[n:])
+            if not got:
+                break
+            n += got
+    except (OSError, http.client.HTTPException) as exc:
+        body.close()  # the connection is in an unknown state: drop it, never pool it
+        raise S3Error(f"GET {key}: {exc!r}", type(exc).__name__, None, True) from None
+    if n != len(out):
+        body.close()
+        raise S3Error(f"GET {key}: short body ({n} of {len(out)} bytes)", retryable=True)
+    fp.close()  # at the end of its body: the socket stays open for the pool
+    raw.release_conn()
+
+
 class S3Client:
     """Async facade over one bucket. Keys passed in are full keys."""
 
@@ -163,6 +194,23 @@ class S3Client:
                 r = self._c.get_object(Bucket=self.bucket, **kwargs)
                 return r["Body"].read()
         return await trio.to_thread.run_sync(run, limiter=self.limiter)
+
+    async def get_range_into(self, key: str, start: int, buf: Any, length: int,
+                             etag: str | None = None) -> None:
+        """Bytes [start, start + length) of `key` received straight into `buf` (a writable
+        buffer): no bytes object per chunk, so no fresh pages to fault in and zero."""
+        kwargs: dict[str, Any] = {"Key": key, "Range": f"bytes={start}-{start + length - 1}"}
+        if etag:
+            kwargs["IfMatch"] = etag
+
+        def run() -> None:
+            with _mapped("GET", key):
+                r = self._c.get_object(Bucket=self.bucket, **kwargs)
+            if r.get("ContentLength", length) != length:
+                r["Body"].close()
+                raise S3Error(f"GET {key}: {r.get('ContentLength')} bytes for a range of {length}")
+            _read_body_into(key, r["Body"], memoryview(buf)[:length])
+        await trio.to_thread.run_sync(run, limiter=self.limiter)
 
     async def download_to(self, key: str, fd: int, size: int, chunk: int, etag: str | None = None) -> None:
         """Fetch a whole object into `fd` with parallel ranged GETs, chunk bytes each."""

@@ -1,0 +1,98 @@
+"""The read path's buffer pool and disk cache, against a fake S3 that answers slowly and out
+of order (the real mount and server are in test_reads.py; these need sizes it cannot set)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import trio
+
+from ckptfs.cache import ObjectCache
+from ckptfs.prefetch import ChunkReader, ReadStream
+
+KiB = 1024
+CHUNK = 64 * KiB
+
+
+def content(key: str, size: int) -> bytes:
+    return random.Random(key).randbytes(size)
+
+
+class SlowS3:
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects = objects
+        self.gets = 0
+        self.rng = random.Random(7)
+
+    async def get_range_into(self, key: str, start: int, buf, length: int, etag=None) -> None:
+        self.gets += 1
+        await trio.sleep(self.rng.random() / 200)
+        memoryview(buf)[:length] = self.objects[key][start:start + length]
+
+
+async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_right_bytes(tmp_path: Path) -> None:
+    objects = {f"shard{i}": content(f"shard{i}", 20 * CHUNK + 123) for i in range(8)}
+    s3 = SlowS3(objects)
+    # Two buffers for eight sequential readers with windows of up to eight chunks each, and
+    # random readers besides: demand reads must wait for buffers, never deadlock.
+    reader = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK,  # type: ignore[arg-type]
+                         memory_budget=2 * CHUNK, max_window=8)
+
+    async def sequential(key: str) -> None:
+        data, stream, got = objects[key], ReadStream(), []
+        for off in range(0, len(data), 16 * KiB):
+            got.append(bytes(await reader.read(key, "e", len(data), off, 16 * KiB, stream)))
+        assert b"".join(got) == data
+
+    async def scattered(key: str) -> None:
+        data, rng = objects[key], random.Random(key)
+        for _ in range(40):
+            off, n = rng.randrange(len(data)), rng.randrange(1, 3 * CHUNK)  # some span chunks
+            assert bytes(await reader.read(key, "e", len(data), off, n, ReadStream())) == data[off:off + n]
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            reader.nursery = nursery
+            for key in objects:
+                nursery.start_soon(sequential, key)
+            for key in list(objects)[:3]:
+                nursery.start_soon(scattered, key)
+            while s3.gets < 8 * 21:  # every chunk fetched at least once
+                await trio.sleep(0.01)
+            await trio.sleep(0.5)
+            nursery.cancel_scope.cancel()
+    assert reader._buffers == 2
+
+
+async def test_fetched_chunks_are_kept_on_disk_and_served_from_there(tmp_path: Path) -> None:
+    data = content("k", 3 * CHUNK + 5)
+    s3 = SlowS3({"k": data})
+    cache = ObjectCache(str(tmp_path), 1 << 30)
+    async with trio.open_nursery() as nursery:
+        reader = ChunkReader(s3, cache, chunk_size=CHUNK, memory_budget=2 * CHUNK)  # type: ignore[arg-type]
+        reader.nursery = nursery
+        for off in range(0, len(data), CHUNK):
+            await reader.read("k", "e", len(data), off, CHUNK, ReadStream())
+    files = sorted((tmp_path / "cache").iterdir())
+    assert sorted(p.stat().st_size for p in files) == [5, CHUNK, CHUNK, CHUNK]  # padding dropped
+    gets = s3.gets
+    again = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK)  # type: ignore[arg-type]
+    got = [bytes(await again.read("k", "e", len(data), off, 1000, ReadStream()))
+           for off in range(0, len(data), 1000)]
+    assert b"".join(got) == data and s3.gets == gets
+
+
+async def test_a_torn_chunk_file_is_dropped_and_fetched_again(tmp_path: Path) -> None:
+    data = content("k", 2 * CHUNK)
+    s3 = SlowS3({"k": data})
+    async with trio.open_nursery() as nursery:
+        reader = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK)  # type: ignore[arg-type]
+        reader.nursery = nursery
+        await reader.read("k", "e", len(data), 0, 10, ReadStream())
+    (entry,) = (tmp_path / "cache").iterdir()
+    os.truncate(entry, 1000)  # a crash wrote it only in part (the sizes are in the index)
+    again = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK)  # type: ignore[arg-type]
+    assert bytes(await again.read("k", "e", len(data), 500, 1000, ReadStream())) == data[500:1500]
+    assert s3.gets == 2
