@@ -262,6 +262,7 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
             notify(READY)
             notifier.ready(stats.line())
             await pyfuse3.main()
+            await fs.reader.settle()
             # Streamed parts of files that were never closed go; closed files not yet in
             # S3 keep their journal records, and the next mount delivers them.
             for inode in fs.table.all():

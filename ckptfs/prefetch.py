@@ -138,6 +138,8 @@ class ChunkReader:
         self._local_reads = trio.CapacityLimiter(4)
         # Readahead advice for cached files goes out one call at a time, in order.
         self._advice = trio.CapacityLimiter(1)
+        self._writes = 0  # chunks being written to the disk cache
+        self._written = trio.Event()  # set whenever none are
         self.hits = 0  # chunks served from memory or the disk cache
         self.misses = 0  # chunks fetched from S3
         self.bytes_downloaded = 0
@@ -314,6 +316,7 @@ class ChunkReader:
             self._released.set()  # loaded and unused, or freed: either may be claimed now
         if chunk.error is None and self.cache is not None:
             chunk.users += 1  # the buffer stays put until the disk has it
+            self._writes += 1
             if self.nursery is not None:
                 self.nursery.start_soon(self._keep, chunk)  # its readers need not wait for it
             else:
@@ -336,3 +339,15 @@ class ChunkReader:
                 pass
         finally:
             self._unuse(chunk)
+            self._writes -= 1
+            if not self._writes:
+                self._written.set()
+
+    async def settle(self, timeout: float = 30) -> None:
+        """Wait for the cache writes in flight (at unmount: a fetched chunk is not fetched again
+        after the next mount)."""
+        with trio.move_on_after(timeout):
+            while self._writes:
+                if self._written.is_set():
+                    self._written = trio.Event()
+                await self._written.wait()
