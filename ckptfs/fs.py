@@ -570,7 +570,11 @@ class CheckpointFS(pyfuse3.Operations):
         if handle.entries is None or start_id == 0:
             handle.entries = await self.ns.list_dir(handle.inode)
         for index in range(start_id, len(handle.entries)):
-            child = handle.entries[index]
+            # A FORGET between two READDIR calls (or during the listing) may have dropped an
+            # entry: never hand the kernel an inode number the table does not know.
+            child = self.table.revive(handle.entries[index])
+            if child is None:
+                continue
             if not pyfuse3.readdir_reply(token, os.fsencode(child.name), self._attrs(child), index + 1):
                 return
             child.lookups += 1

@@ -106,6 +106,23 @@ class InodeTable:
             self._children.setdefault(inode.ino, {})
         return inode
 
+    def revive(self, inode: Inode) -> Inode | None:
+        """`inode` as the table knows it now: itself, put back if a FORGET dropped it while a
+        caller still held it (a directory listing being returned), or the inode that took its
+        name meanwhile; None if it was unlinked."""
+        if self._by_ino.get(inode.ino) is inode:
+            return inode
+        if inode.unlinked:
+            return None
+        current = self.child(inode.parent, inode.name)
+        if current is not None or inode.parent not in self._by_ino:
+            return current
+        self._by_ino[inode.ino] = inode
+        self._children.setdefault(inode.parent, {})[inode.name] = inode.ino
+        if inode.is_dir:
+            self._children.setdefault(inode.ino, {})
+        return inode
+
     def detach(self, inode: Inode) -> None:
         """Remove the name; the inode lives on while the kernel or a handle holds it."""
         siblings = self._children.get(inode.parent, {})

@@ -106,3 +106,21 @@ async def test_a_lookup_in_flight_when_the_kernel_forgets_the_inode_returns_a_li
 
 async def _append(out: list, coro) -> None:
     out.append(await coro)
+
+
+async def test_a_listed_entry_the_kernel_forgot_meanwhile_is_put_back_not_lost() -> None:
+    # READDIR keeps its entries between calls; a FORGET processed in between drops a clean
+    # entry from the table, and the next READDIR must not answer with an unknown inode.
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(FakeListing(["p/a.pt", "p/b.pt"]), table, 0, 0, ttl=1.0)  # type: ignore[arg-type]
+    entries = await ns.list_dir(table[ROOT_INODE])
+    a, b = entries
+    a.lookups = b.lookups = 1
+    table.forget(a.ino, 1)
+    assert table.get(a.ino) is None  # dropped: clean, unreferenced
+    assert table.revive(a) is a and table.get(a.ino) is a and table.child(ROOT_INODE, "a.pt") is a
+    table.forget(b.ino, 1)
+    newer = table.add(ROOT_INODE, "b.pt", b.mode, 0, 0)  # the name was looked up again meanwhile
+    assert table.revive(b) is newer
+    table.detach(a)
+    assert table.revive(a) is None  # unlinked: left out of the listing
