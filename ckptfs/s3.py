@@ -185,20 +185,15 @@ class S3Client:
         """Bytes [start, end) of `key`; with `etag`, fail if the object changed."""
         if end <= start:
             return b""
-        kwargs: dict[str, Any] = {"Key": key, "Range": f"bytes={start}-{end - 1}"}
-        if etag:
-            kwargs["IfMatch"] = etag
-
-        def run() -> bytes:
-            with _mapped("GET", key):
-                r = self._c.get_object(Bucket=self.bucket, **kwargs)
-                return r["Body"].read()
-        return await trio.to_thread.run_sync(run, limiter=self.limiter)
+        buf = bytearray(end - start)
+        await self.get_range_into(key, start, buf, end - start, etag)
+        return bytes(buf)
 
     async def get_range_into(self, key: str, start: int, buf: Any, length: int,
                              etag: str | None = None) -> None:
         """Bytes [start, start + length) of `key` received straight into `buf` (a writable
-        buffer): no bytes object per chunk, so no fresh pages to fault in and zero."""
+        buffer): no bytes object per chunk, so no fresh pages to fault in and zero. With
+        `etag`, fail if the object changed."""
         kwargs: dict[str, Any] = {"Key": key, "Range": f"bytes={start}-{start + length - 1}"}
         if etag:
             kwargs["IfMatch"] = etag
@@ -215,8 +210,9 @@ class S3Client:
     async def download_to(self, key: str, fd: int, size: int, chunk: int, etag: str | None = None) -> None:
         """Fetch a whole object into `fd` with parallel ranged GETs, chunk bytes each."""
         async def one(start: int) -> None:
-            data = await self.get_range(key, start, min(start + chunk, size), etag)
-            await trio.to_thread.run_sync(os.pwrite, fd, data, start)
+            buf = bytearray(min(chunk, size - start))
+            await self.get_range_into(key, start, buf, len(buf), etag)
+            await trio.to_thread.run_sync(os.pwrite, fd, buf, start)
 
         async with trio.open_nursery() as nursery:
             for start in range(0, size, chunk):
