@@ -661,7 +661,7 @@ class CheckpointFS(pyfuse3.Operations):
         handle = self._file_handle(fh)
         node = handle.inode
         if node.staged is not None:
-            data = await self.reader.pread_local(node.staged.fd, size, off)
+            data = await self.reader.read_local(node.staged.fd, size, off)
             self.local_read_bytes += len(data)
             return data
         if node.etag is None or off >= node.size:

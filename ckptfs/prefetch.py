@@ -2,9 +2,9 @@
 
 A read of a clean object is answered chunk by chunk (8 MiB). A chunk on disk here (the whole
 object in the read cache, a file written on this host and adopted after its upload, or the
-chunk's own cache file) is read with one pread of just the bytes asked for, in a worker
-thread; the reply is still in the CPU's cache when pyfuse3 copies it to the kernel. A chunk
-that is not is fetched from S3 into one of a fixed pool of page-aligned buffers, by one
+chunk's own cache file) is answered with a view of a mapping of just the bytes asked for,
+so pyfuse3's copy into the kernel is the only one (a pread into a new bytes object cost a
+copy and page faults more; LocalView). A chunk that is not is fetched from S3 into one of a fixed pool of page-aligned buffers, by one
 ranged GET received straight into the buffer (no bytes object to fault in and zero), and
 served as memoryviews of it (no slicing copies); it is then written to the disk cache with
 O_DIRECT where the file system allows it, so neither the CPU nor the page cache copies it
@@ -25,6 +25,7 @@ while it waits for another, so the pool cannot deadlock.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -78,6 +79,62 @@ def store_file(tmp: str, buf: mmap.mmap, length: int) -> None:
             os.ftruncate(fd, length)  # drop the alignment padding
     finally:
         os.close(fd)
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in for reading, without touching it
+_LOCAL_READAHEAD = 16 * MiB  # advised after a read that found its pages not in memory
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+class LocalView:
+    """A range of a local file, mapped to be replied from without a copy.
+
+    The mapping is private and writable only so that ctypes can take its address for
+    mincore(); nothing writes to it (a write would copy the page, never reach the file).
+    pyfuse3 replies from the view before any other task runs, and every truncate of a staged
+    or cached file happens on the FUSE loop too, so reply() clamping the range to the file's
+    size makes the reply never touch a page past the end (which would raise SIGBUS). Only a
+    process outside ckptfs truncating a file in the cache dir could still do that.
+    """
+
+    def __init__(self, fd: int, offset: int, end: int) -> None:
+        self.offset, self.end = offset, end
+        self.base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        self.map = mmap.mmap(fd, end - self.base, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=self.base)
+
+    def resident(self) -> bool:
+        """Whether every page of the range is in the page cache (mapping it cannot block)."""
+        length = len(self.map)
+        pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = ctypes.create_string_buffer(pages)
+        anchor = ctypes.c_char.from_buffer(self.map)
+        try:
+            rc = _libc.mincore(ctypes.addressof(anchor), length, vec)
+        finally:
+            del anchor
+        return rc == 0 and vec.raw[:pages].translate(_LOW_BIT) == b"\x01" * pages
+
+    def load(self, fd: int) -> None:
+        """Blocking: bring the range into memory, and advise readahead past it."""
+        try:
+            os.posix_fadvise(fd, self.end, _LOCAL_READAHEAD, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # only a hint
+        try:
+            self.map.madvise(_MADV_POPULATE_READ)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                return  # EFAULT: the file shrank meanwhile; reply() clamps
+            os.preadv(fd, [bytearray(len(self.map))], self.base)  # an old kernel: read it
+
+    def reply(self) -> bytes | memoryview:
+        end = min(self.end, self.map.size())  # size() asks the file, not the mapping
+        if end <= self.offset:
+            return b""
+        return memoryview(self.map)[self.offset - self.base:end - self.base]
 
 
 @dataclass(eq=False)
@@ -167,7 +224,7 @@ class ChunkReader:
                 # still in the CPU's cache when pyfuse3 copies it to the kernel.
                 fd, file_base = local
                 self.hits += 1
-                data = await self.pread_local(fd, hi - lo, lo - file_base)
+                data = await self.read_local(fd, hi - lo, lo - file_base)
                 if len(data) != hi - lo:
                     raise OSError(errno.EIO, f"read cache entry of {key} is short")
                 if first == last:
@@ -220,14 +277,23 @@ class ChunkReader:
         assert self.nursery is not None
         self.nursery.start_soon(advise)
 
-    async def pread_local(self, fd: int, size: int, offset: int) -> bytes:
-        """pread off the FUSE loop. The dup keeps the file open if its owner closes `fd`
-        meanwhile (release), so a reused descriptor number is never read."""
-        own = os.dup(fd)
-        try:
-            return await trio.to_thread.run_sync(os.pread, own, size, offset, limiter=self._local_reads)
-        finally:
-            os.close(own)
+    async def read_local(self, fd: int, size: int, offset: int) -> bytes | memoryview:
+        """Up to `size` bytes at `offset` of a local file, as a view of a mapping of it, so the
+        only copy is pyfuse3's into the kernel. Pages already in the page cache (the usual case:
+        readahead advice went out ahead of the reader) are mapped on the FUSE loop; otherwise a
+        worker thread faults them in first, so the loop never waits for the disk."""
+        end = min(offset + size, os.fstat(fd).st_size)
+        if end <= offset:
+            return b""
+        view = LocalView(fd, offset, end)
+        if not view.resident():
+            # The dup keeps the file open if its owner closes `fd` meanwhile (release).
+            own = os.dup(fd)
+            try:
+                await trio.to_thread.run_sync(view.load, own, limiter=self._local_reads)
+            finally:
+                os.close(own)
+        return view.reply()
 
     # ----- the buffer pool ---------------------------------------------------
 

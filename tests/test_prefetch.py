@@ -10,7 +10,7 @@ from pathlib import Path
 import trio
 
 from ckptfs.cache import ObjectCache
-from ckptfs.prefetch import ChunkReader, ReadStream
+from ckptfs.prefetch import ChunkReader, LocalView, ReadStream
 
 KiB = 1024
 CHUNK = 64 * KiB
@@ -96,3 +96,65 @@ async def test_a_torn_chunk_file_is_dropped_and_fetched_again(tmp_path: Path) ->
     again = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK)  # type: ignore[arg-type]
     assert bytes(await again.read("k", "e", len(data), 500, 1000, ReadStream())) == data[500:1500]
     assert s3.gets == 2
+
+
+def _evict_pages(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+async def test_local_reads_answer_exact_bytes_whether_or_not_their_pages_are_in_memory(
+        tmp_path: Path, monkeypatch) -> None:
+    data = random.Random(3).randbytes(3 * 1024 * KiB + 123)
+    path = tmp_path / "local.bin"
+    path.write_bytes(data)
+    loads = []
+    real_load = LocalView.load
+    monkeypatch.setattr(LocalView, "load", lambda self, fd: (loads.append(self.offset), real_load(self, fd)))
+    reader = ChunkReader(None)  # type: ignore[arg-type]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _evict_pages(path)
+        assert not LocalView(fd, 4096, 8192).resident()
+        # Offsets off the page grid, ranges past the end, the last byte, nothing at all.
+        for off, n in [(0, 128 * KiB), (5, 1000), (4097, 1024 * KiB), (len(data) - 1, 10),
+                       (len(data) - 5000, 1 << 20), (len(data), 10), (len(data) + 4096, 10)]:
+            assert bytes(await reader.read_local(fd, n, off)) == data[off:off + n]
+        assert loads, "the pages were out of memory: they must be loaded in a thread"
+        loads.clear()
+        assert LocalView(fd, 0, 128 * KiB).resident()  # read once: in the page cache now
+        assert bytes(await reader.read_local(fd, 100, 200)) == data[200:300]
+        assert loads == []  # served straight from memory
+    finally:
+        os.close(fd)
+
+
+async def test_a_local_file_that_shrinks_while_its_pages_load_is_answered_up_to_its_new_end(
+        tmp_path: Path, monkeypatch) -> None:
+    # A truncate (on the FUSE loop) can run while a read waits for the disk. Replying from the
+    # mapping past the new end would kill the daemon with SIGBUS.
+    data = random.Random(4).randbytes(1024 * KiB)
+    path = tmp_path / "staged.bin"
+    path.write_bytes(data)
+    real_load = LocalView.load
+
+    def load_then_shrink(self: LocalView, fd: int) -> None:
+        os.truncate(path, 10 * KiB + 7)
+        real_load(self, fd)
+    monkeypatch.setattr(LocalView, "load", load_then_shrink)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _evict_pages(path)
+        got = await ChunkReader(None).read_local(fd, 512 * KiB, 8 * KiB)  # type: ignore[arg-type]
+        assert bytes(got) == data[8 * KiB:10 * KiB + 7]
+        path.write_bytes(data)
+        _evict_pages(path)
+        os.truncate(path, 4 * KiB)  # shrinks below the offset asked for: nothing to answer
+        got = await ChunkReader(None).read_local(fd, 512 * KiB, 8 * KiB)  # type: ignore[arg-type]
+        assert bytes(got) == b""
+    finally:
+        os.close(fd)
