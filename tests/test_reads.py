@@ -179,3 +179,15 @@ def test_the_mount_reads_ahead_more_than_the_kernel_default(mounter) -> None:
     st = os.stat(mnt.path)
     with open(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb") as f:
         assert int(f.read()) == 16384
+    # ...and keeps enough requests in flight for it (the kernel's default is 12).
+    conn = f"/sys/fs/fuse/connections/{os.minor(st.st_dev)}"
+    deadline = time.monotonic() + 5
+    while True:  # set just after the readahead: allow it a moment
+        with open(f"{conn}/max_background") as f:
+            found = int(f.read())
+        if found == 48 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert found == 48
+    with open(f"{conn}/congestion_threshold") as f:
+        assert int(f.read()) == 36
