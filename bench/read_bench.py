@@ -1,8 +1,10 @@
 """Read-path benchmark: ckptfs against its peers on one local SeaweedFS, in one run.
 
-    .venv/bin/python bench/read_bench.py [--gib 1] [--objects 10000] [--skip-peers]
+    .venv/bin/python bench/read_bench.py [--gib 1] [--objects 10000] [--rounds 3] [--skip-peers]
 
-Times, with the page cache dropped before each: a cold sequential read of a GiB object
+Times, with the page cache dropped before each, every row once per round (rounds interleave
+the methods, so a slow phase of this noisy machine hits all of them; the table gives the
+median and the range): a cold sequential read of a GiB object
 through ckptfs (fresh mount, empty cache) against boto3 download_file (tuned), s3fs-fuse
 and rclone mount; a warm read (ckptfs's disk cache, after a remount) and the read-back of
 a file written through ckptfs on this host, against a read from local disk; torch.load
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,21 +51,35 @@ class ReadBench:
         self.bucket = server.bucket
         self.s3 = server.client()
         self.env = devserver.client_env(server.endpoint)
-        self.rows: list[Row] = []
+        self.samples: dict[tuple[str, str, int], list[float]] = {}
+        self.notes: dict[tuple[str, str], list[str]] = {}
         self._n = 0
 
     def path(self, name: str) -> str:
         self._n += 1
         return os.path.join(self.work, f"{name}-{self._n}")
 
-    def timed(self, workload: str, method: str, size: int, fn, note: str = "") -> float:
+    def timed(self, workload: str, method: str, size: int, fn) -> float:
         drop_caches()
         t = time.monotonic()
         fn()
         elapsed = time.monotonic() - t
-        self.rows.append(Row(workload, method, elapsed, size, note))
+        self.samples.setdefault((workload, method, size), []).append(elapsed)
         print(f"  {workload}: {method}: {elapsed:.2f}s", flush=True)
         return elapsed
+
+    def note(self, workload: str, method: str, text: str) -> None:
+        self.notes.setdefault((workload, method), []).append(text)
+
+    def rows(self) -> list[Row]:
+        rows = []
+        for (workload, method, size), times in self.samples.items():
+            note = f"median of {len(times)}: {min(times):.2f}-{max(times):.2f} s" if len(times) > 1 else ""
+            extra = self.notes.get((workload, method))
+            if extra:
+                note = "; ".join([note] + extra) if note else "; ".join(extra)
+            rows.append(Row(workload, method, statistics.median(times), size, note))
+        return rows
 
     # ----- mounts ------------------------------------------------------------
 
@@ -105,9 +122,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0, help="size of the object read (GiB)")
     ap.add_argument("--objects", type=int, default=10000, help="objects in the ls -l directory (0: skip)")
+    ap.add_argument("--rounds", type=int, default=3, help="times each row is measured (median reported)")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--work", default="/var/tmp")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if not args.skip_peers and any(shutil.which(t) is None for t in ("s3fs", "rclone")):
         print("bench: install the peers first: apt-get install s3fs rclone", file=sys.stderr)
         return 2
@@ -135,61 +155,70 @@ def main() -> int:
                                                         Body=b"x"), range(args.objects)))
 
         w = f"object-{args.gib:g}GiB"
-        dl = os.path.join(work, "downloaded.bin")
-        b.timed(w, "boto3 download_file (tuned)", size,
-                lambda: b.s3.download_file(b.bucket, "data/cold.bin", dl, Config=TUNED))
-        b.timed(w, "local disk read", size, lambda: read_all(dl))
-        os.unlink(dl)
-        cache = b.path("ck-cache")
-        mnt = b.mount_ckptfs(cache)
-        mounts.append(mnt)
-        b.timed(w, "ckptfs cold read (fresh mount, empty cache)", size,
-                lambda: read_all(os.path.join(mnt, "cold.bin")))
-        b.rows[-1].note = b.daemon_note(mnt)
-        b.unmount_ckptfs(mnt)
-        mnt = b.mount_ckptfs(cache)  # same cache dir: warm
-        mounts.append(mnt)
-        b.timed(w, "ckptfs warm read (disk cache, after remount)", size,
-                lambda: read_all(os.path.join(mnt, "cold.bin")))
-        shutil.copyfile(src, os.path.join(mnt, "written.bin"))  # close mode: in S3 on return
-        b.timed(w, "ckptfs read-back of a file written here", size,
-                lambda: read_all(os.path.join(mnt, "written.bin")))
-        b.unmount_ckptfs(mnt)
-        os.unlink(src)
-        if not args.skip_peers:
-            s3fs = b.mount_s3fs()
-            mounts.append(s3fs)
-            b.timed(w, "s3fs-fuse cold read", size, lambda: read_all(os.path.join(s3fs, "cold.bin")))
-            rcl, proc = b.mount_rclone()
-            mounts.append(rcl)
-            b.timed(w, "rclone mount cold read", size, lambda: read_all(os.path.join(rcl, "cold.bin")))
-            unmount(rcl)
-            proc.terminate()
-            proc.wait(30)
-
         t = f"torch.load-{args.gib:g}GiB"
-        local_ckpt = os.path.join(work, "dl.pt")
-        b.timed(t, "boto3 download, then torch.load from local disk", ckpt_size, lambda: (
-            b.s3.download_file(b.bucket, "data/ckpt.pt", local_ckpt, Config=TUNED), torch.load(local_ckpt)))
-        os.unlink(local_ckpt)
-        mnt = b.mount_ckptfs(b.path("ck-cache"))
-        mounts.append(mnt)
-        b.timed(t, "ckptfs torch.load (fresh mount, empty cache)", ckpt_size,
-                lambda: torch.load(os.path.join(mnt, "ckpt.pt")))
-        b.unmount_ckptfs(mnt)
-
-        if args.objects:
-            ls = f"ls -l {args.objects} objects"
-            mnt = b.mount_ckptfs(b.path("ck-cache"))
+        ls = f"ls -l {args.objects} objects"
+        for rnd in range(args.rounds):
+            print(f"round {rnd + 1} of {args.rounds}", flush=True)
+            dl = os.path.join(work, "downloaded.bin")
+            b.timed(w, "boto3 download_file (tuned)", size,
+                    lambda: b.s3.download_file(b.bucket, "data/cold.bin", dl, Config=TUNED))
+            b.timed(w, "local disk read", size, lambda: read_all(dl))
+            os.unlink(dl)
+            cache = b.path("ck-cache")
+            mnt = b.mount_ckptfs(cache)
             mounts.append(mnt)
-            b.timed(ls, "ckptfs (fresh mount)", 0, lambda: subprocess.run(
-                ["ls", "-l", os.path.join(mnt, "many")], check=True, stdout=subprocess.DEVNULL))
+            cold = "ckptfs cold read (fresh mount, empty cache)"
+            b.timed(w, cold, size, lambda: read_all(os.path.join(mnt, "cold.bin")))
+            b.note(w, cold, b.daemon_note(mnt))
             b.unmount_ckptfs(mnt)
+            mnt = b.mount_ckptfs(cache)  # same cache dir: warm
+            mounts.append(mnt)
+            b.timed(w, "ckptfs warm read (disk cache, after remount)", size,
+                    lambda: read_all(os.path.join(mnt, "cold.bin")))
+            shutil.copyfile(src, os.path.join(mnt, "written.bin"))  # close mode: in S3 on return
+            b.timed(w, "ckptfs read-back of a file written here", size,
+                    lambda: read_all(os.path.join(mnt, "written.bin")))
+            b.unmount_ckptfs(mnt)
+            shutil.rmtree(cache, ignore_errors=True)
             if not args.skip_peers:
-                b.timed(ls, "s3fs-fuse", 0, lambda: subprocess.run(
-                    ["ls", "-l", os.path.join(s3fs, "many")], check=True, stdout=subprocess.DEVNULL))
+                s3fs = b.mount_s3fs()  # fresh every round, as ckptfs's: no stat cache carried over
+                mounts.append(s3fs)
+                b.timed(w, "s3fs-fuse cold read", size, lambda: read_all(os.path.join(s3fs, "cold.bin")))
+                rcl, proc = b.mount_rclone()
+                mounts.append(rcl)
+                b.timed(w, "rclone mount cold read", size, lambda: read_all(os.path.join(rcl, "cold.bin")))
+                unmount(rcl)
+                proc.terminate()
+                proc.wait(30)
+
+            local_ckpt = os.path.join(work, "dl.pt")
+            b.timed(t, "boto3 download, then torch.load from local disk", ckpt_size, lambda: (
+                b.s3.download_file(b.bucket, "data/ckpt.pt", local_ckpt, Config=TUNED), torch.load(local_ckpt)))
+            os.unlink(local_ckpt)
+            cache = b.path("ck-cache")
+            mnt = b.mount_ckptfs(cache)
+            mounts.append(mnt)
+            b.timed(t, "ckptfs torch.load (fresh mount, empty cache)", ckpt_size,
+                    lambda: torch.load(os.path.join(mnt, "ckpt.pt")))
+            b.unmount_ckptfs(mnt)
+            shutil.rmtree(cache, ignore_errors=True)
+
+            if args.objects:
+                cache = b.path("ck-cache")
+                mnt = b.mount_ckptfs(cache)
+                mounts.append(mnt)
+                b.timed(ls, "ckptfs (fresh mount)", 0, lambda: subprocess.run(
+                    ["ls", "-l", os.path.join(mnt, "many")], check=True, stdout=subprocess.DEVNULL))
+                b.unmount_ckptfs(mnt)
+                shutil.rmtree(cache, ignore_errors=True)
+                if not args.skip_peers:
+                    b.timed(ls, "s3fs-fuse", 0, lambda: subprocess.run(
+                        ["ls", "-l", os.path.join(s3fs, "many")], check=True, stdout=subprocess.DEVNULL))
+            if not args.skip_peers:
+                unmount(s3fs)
+        os.unlink(src)
         print()
-        print(report(b.rows))
+        print(report(b.rows()))
         return 0
     finally:
         for m in mounts:
