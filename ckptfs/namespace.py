@@ -58,6 +58,7 @@ class Namespace:
         self.gid = gid
         self.ttl = ttl
         self._listed: dict[int, float] = {}  # dir inode -> when its listing was taken
+        self._rechecking: dict[int, trio.Event] = {}  # dir inode -> a recheck page in flight
         self._warned: set[str] = set()
         # Names S3 just said do not exist: `stat` of a missing checkpoint in a polling loop,
         # or a framework probing for optional files, costs no request while the answer is fresh.
@@ -134,6 +135,13 @@ class Namespace:
             return child  # the listing just taken answered for every name in it
         if child is None and (parent.ino, name) in self._absent:
             return None
+        if child is not None and not child.is_local and parent.ino in self._listed:
+            # A stale entry of a directory that was listed: `ls -l` stats every entry after
+            # its listing, by then past the TTL on a slow server. One LIST page from here
+            # re-checks this name and refreshes the next thousand.
+            found, current = await self._recheck_by_listing(parent, name)
+            if found:
+                return current
         key = self.table.key_of(parent) + name
         head: list[ObjectInfo | None] = [None]
         listing: list[ListPage] = []
@@ -175,9 +183,75 @@ class Namespace:
                 self._absent[(parent.ino, name)] = True
             return None
         if child is not None and not child.is_dir:
-            self.apply_object(child, info, with_metadata=True)
-            return child
+            return self._refresh_file(parent, child, info, with_metadata=True)
         return self._new_file(parent, name, info, with_metadata=True)
+
+    def _refresh_file(self, parent: Inode, child: Inode, info: ObjectInfo, with_metadata: bool) -> Inode:
+        """`child` refreshed from S3; a new inode if the object changed behind the mount's back
+        and nothing here holds the old version: with the writeback cache on, the kernel keeps
+        its own size of an inode it knows and would go on showing the old one."""
+        if (child.etag is not None and info.etag != child.etag and child.open_handles == 0
+                and child.staged is None and child.lookups > 0):
+            return self._new_file(parent, child.name, info, with_metadata)
+        self.apply_object(child, info, with_metadata)
+        return child
+
+    async def _recheck_by_listing(self, parent: Inode, name: str) -> tuple[bool, Inode | None]:
+        """Re-check `name` with one LIST page starting just before it, refreshing the known
+        entries the page covers. (True, inode or None if gone) if the page told; (False, None)
+        if it could not (a name that changed kind, or more keys before it than a page holds)."""
+        pending = self._rechecking.get(parent.ino)
+        if pending is not None:  # another lookup's page may cover this name: wait for it
+            await pending.wait()
+            child = self.table.child(parent.ino, name)
+            if child is not None and (child.is_local or self.fresh(child.validated_at)):
+                return True, child
+        done = trio.Event()
+        self._rechecking[parent.ino] = done
+        dir_key = self.table.key_of(parent)
+        key = dir_key + name
+        try:
+            page, more = await self.s3.list_page(dir_key, None, delimiter="/", start_after=key[:-1])
+        finally:
+            if self._rechecking.get(parent.ino) is done:
+                del self._rechecking[parent.ino]
+            done.set()
+        now = time.monotonic()
+        seen: dict[str, ObjectInfo | None] = {}  # name -> object, None for a directory
+        last = b""
+        for prefix in page.prefixes:
+            seen[prefix[len(dir_key):-1]] = None
+            last = max(last, _sort_key(prefix))
+        for obj in page.objects:
+            if obj.key[len(dir_key):]:
+                seen.setdefault(obj.key[len(dir_key):], obj)  # a directory wins, as in list_dir
+            last = max(last, _sort_key(obj.key))
+        for other, info in seen.items():
+            known = self.table.child(parent.ino, other)
+            if known is None or known.is_local or other == name or known.is_dir != (info is None):
+                continue
+            if info is None:
+                known.validated_at = now
+            elif info.etag == known.etag:  # changed ones get a new inode on their own lookup
+                self.apply_object(known, info, with_metadata=False)
+        child = self.table.child(parent.ino, name)
+        if child is None or child.is_local:
+            return True, child
+        if name in seen:
+            info = seen[name]
+            if child.is_dir != (info is None):
+                return False, None  # changed kind: the full lookup sorts it out
+            if info is None:
+                child.validated_at = now
+                return True, child
+            return True, self._refresh_file(parent, child, info, with_metadata=False)
+        covered = more is None or _sort_key(key + "/") <= last
+        if not covered:
+            return False, None
+        self.table.detach(child)  # gone from S3
+        if self.ttl > 0:
+            self._absent[(parent.ino, name)] = True
+        return True, None
 
     async def _load_dir_meta(self, inode: Inode, marker: str) -> None:
         try:
@@ -228,7 +302,7 @@ class Namespace:
                 if child is None or child.is_dir:
                     child = self._new_file(directory, name, info, with_metadata=False)
                 else:
-                    self.apply_object(child, info, with_metadata=False)
+                    child = self._refresh_file(directory, child, info, with_metadata=False)
             entries.append(child)
             seen.add(name)
         for child in self.table.children(directory.ino):
@@ -241,6 +315,11 @@ class Namespace:
         self._listed[directory.ino] = time.monotonic()
         entries.sort(key=lambda i: i.name)
         return entries
+
+
+def _sort_key(key: str) -> bytes:
+    """S3 lists keys in the order of their UTF-8 bytes."""
+    return key.encode("utf-8", "surrogateescape")
 
 
 def _int(text: str | None, default: int) -> int:

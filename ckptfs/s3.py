@@ -149,12 +149,14 @@ class S3Client:
                           dict(r.get("Metadata", {})), r.get("ChecksumCRC32"))
 
     async def list_page(self, prefix: str, token: str | None, delimiter: str = "/",
-                        max_keys: int = 1000) -> tuple[ListPage, str | None]:
+                        max_keys: int = 1000, start_after: str | None = None) -> tuple[ListPage, str | None]:
         kwargs: dict[str, Any] = {"Prefix": prefix, "MaxKeys": max_keys}
         if delimiter:
             kwargs["Delimiter"] = delimiter
         if token:
             kwargs["ContinuationToken"] = token
+        if start_after:
+            kwargs["StartAfter"] = start_after
         r = await self._call("LIST", prefix, self._c.list_objects_v2, **kwargs)
         objects = [ObjectInfo(o["Key"], o["Size"], o.get("ETag", ""), _timestamp(o.get("LastModified")))
                    for o in r.get("Contents", [])]
