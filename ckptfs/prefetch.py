@@ -4,11 +4,11 @@ A read of a clean object is answered chunk by chunk (8 MiB). A chunk on disk her
 object in the read cache, a file written on this host and adopted after its upload, or the
 chunk's own cache file) is answered with a view of a mapping of just the bytes asked for,
 so pyfuse3's copy into the kernel is the only one (a pread into a new bytes object cost a
-copy and page faults more; LocalView). A chunk that is not is fetched from S3 into one of a fixed pool of page-aligned buffers, by one
-ranged GET received straight into the buffer (no bytes object to fault in and zero), and
-served as memoryviews of it (no slicing copies); it is then written to the disk cache with
-O_DIRECT where the file system allows it, so neither the CPU nor the page cache copies it
-again. On a small machine memory bandwidth is what a read costs, so this path counts copies.
+copy and page faults more; LocalView). A chunk that is not is fetched from S3 into one of
+a fixed pool of page-aligned buffers, by one ranged GET received straight into the buffer
+(no bytes object to fault in and zero), and served as memoryviews of it (no slicing
+copies); it is then written to the disk cache with O_DIRECT where the file system allows
+it, so neither the CPU nor the page cache copies it again. On a small machine memory bandwidth is what a read costs, so this path counts copies.
 
 A chunk is fetched at most once at a time (other readers wait on the same fetch). Each
 handle keeps its own stream state: a handle that keeps reading sequentially gets a
