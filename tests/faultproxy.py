@@ -2,7 +2,7 @@
 
 Faults: answer chosen methods (or requests a predicate picks) with an error
 status; at set rates, answer 503 SlowDown or 500 InternalError, reset the
-connection, or delay the answer; corrupt the bodies of some UploadPart
+connection, or delay the answer; corrupt the bodies of some PUT
 requests; hold requests until released.
 """
 
@@ -28,7 +28,7 @@ class FaultProxy:
         self.fail_methods: set[str] = set()
         self.fail_status = 403
         self.failed = 0
-        self.corrupt_parts = 0  # flip a byte in the body of this many UploadPart requests
+        self.corrupt_parts = 0  # flip a byte in the body of this many PUTs (objects or parts)
         self.corrupted = 0
         self.fail_when: Callable[[str, str], bool] | None = None  # (method, path) -> fail it?
         # Random faults: the chance per request of each, and how long a slow answer waits.
@@ -39,6 +39,7 @@ class FaultProxy:
         self.delay = 0.0  # added to every request
         self.requests = 0
         self.counts: collections.Counter[str] = collections.Counter()  # LIST, HEAD, GET, PUT, ...
+        self.put_sha256: collections.Counter[str] = collections.Counter()  # x-amz-content-sha256 of PUTs with a body
         self.random = random.Random(1234)
         self.lock = threading.Lock()
         proxy = self
@@ -103,8 +104,10 @@ class FaultProxy:
                     return
                 if fault == "slow":
                     time.sleep(proxy.slow_seconds)
-                if self.command == "PUT" and "partNumber=" in self.path and body:
+                if self.command == "PUT" and body:
                     with proxy.lock:
+                        sha = self.headers.get("x-amz-content-sha256", "")
+                        proxy.put_sha256["UNSIGNED-PAYLOAD" if sha == "UNSIGNED-PAYLOAD" else "signed"] += 1
                         corrupt = proxy.corrupt_parts > 0
                         if corrupt:
                             proxy.corrupt_parts -= 1

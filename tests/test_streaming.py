@@ -121,6 +121,13 @@ def test_corrupted_part_is_rejected_and_sent_again(proxied, s3, prefix: str) -> 
     assert proxy.corrupted == 2
     assert s3_bytes(s3, f"{prefix}/c.bin") == data
     assert "BadDigest" in mnt.log and "retrying" in mnt.log
+    # The bodies go without a SHA-256 signature: the CRC32 alone caught the corruption.
+    assert proxy.put_sha256["UNSIGNED-PAYLOAD"] >= 4 and proxy.put_sha256["signed"] == 0
+    # A small file is one PUT, checked the same way.
+    proxy.corrupt_parts = 1
+    (mnt.path / "small.bin").write_bytes(data[:1000])
+    assert proxy.corrupted == 3
+    assert s3_bytes(s3, f"{prefix}/small.bin") == data[:1000]
     # Corruption that does not stop: close fails and no corrupt object is ever completed;
     # the file keeps retrying in the background and is delivered once the path is clean.
     proxy.corrupt_parts = 10**6
