@@ -1,6 +1,8 @@
-"""CRC32 of whole objects from the CRC32s of their parts (S3 FULL_OBJECT checksums).
+"""CRC32 of data, and of whole objects from the CRC32s of their parts (S3 FULL_OBJECT).
 
-zlib's crc32_combine, with the shift operator for each part length cached, so
+`crc32` is ISA-L's (the isal package): the same CRC as zlib.crc32, about three times as
+fast (7 GiB/s against 2.2 on this project's VM), which matters at a few GB/s of uploads.
+`crc32_combine` is zlib's, with the shift operator for each part length cached, so
 combining 10,000 equal parts costs 10,000 small matrix-vector products.
 """
 
@@ -8,7 +10,8 @@ from __future__ import annotations
 
 import base64
 import functools
-import zlib
+
+from isal import isal_zlib
 
 _POLY = 0xEDB88320
 _IDENTITY = tuple(1 << n for n in range(32))
@@ -66,4 +69,5 @@ def b64_crc32(crc: int) -> str:
 
 
 def crc32(data: bytes | memoryview, crc: int = 0) -> int:
-    return zlib.crc32(data, crc)
+    """zlib.crc32, faster; releases the GIL on large buffers like zlib does."""
+    return isal_zlib.crc32(data, crc)

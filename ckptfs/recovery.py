@@ -18,12 +18,11 @@ import hashlib
 import logging
 import os
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import trio
 
-from ckptfs.checksum import b64_crc32
+from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import NoSuchKey, S3Error, UploadError
 from ckptfs.journal import Journal, Record
 from ckptfs.parts import PartPlan
@@ -58,7 +57,7 @@ def _digest(fd: int, start: int, end: int) -> tuple[int, str]:
         chunk = os.pread(fd, min(_CHUNK, end - pos), pos)
         if not chunk:
             raise OSError("staged file shorter than expected")
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         md5.update(chunk)
         pos += len(chunk)
     return crc, md5.hexdigest()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import datetime as dt
-import zlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -23,7 +22,7 @@ import botocore.config
 import botocore.exceptions
 import trio
 
-from ckptfs.checksum import b64_crc32
+from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.parts import GiB
 
@@ -232,7 +231,7 @@ class S3Client:
         def run() -> str:
             with _mapped("PUT", key):
                 r = self._c.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata,
-                                       ChecksumCRC32=b64_crc32(zlib.crc32(body)))
+                                       ChecksumCRC32=b64_crc32(crc32(body)))
                 return r.get("ETag", "")
         return await trio.to_thread.run_sync(run, limiter=self.limiter)
 

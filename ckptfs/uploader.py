@@ -25,14 +25,13 @@ import io
 import logging
 import os
 import random
-import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import trio
 
-from ckptfs.checksum import b64_crc32, crc32_of_parts
+from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
 from ckptfs.journal import Journal, PartDone, Record
 from ckptfs.parts import PartPlan, PartRange
@@ -142,7 +141,7 @@ def _crc_of_range(fd: int, start: int, length: int) -> int:
         chunk = os.pread(fd, min(_READ_CHUNK, length - done), start + done)
         if not chunk:
             raise UploadError("the staged file is shorter than its recorded size")
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         done += len(chunk)
     return crc
 
@@ -369,7 +368,7 @@ class Uploader:
         body = await trio.to_thread.run_sync(os.pread, fd, size, 0)
         if len(body) != size:
             raise UploadError(f"staged file for {key} is shorter than {size} bytes")
-        crc = zlib.crc32(body)
+        crc = crc32(body)
         etag = await self.retrying(f"PUT {key}", deadline, lambda: self.s3.put(key, body, metadata))
         self.bytes_uploaded += size
         await self.retrying(f"verify {key}", deadline, lambda: self._verify(key, size, etag, crc))
@@ -404,7 +403,7 @@ class Uploader:
                 body = os.pread(fd, r.size, r.start)
                 if len(body) != r.size:
                     raise UploadError("the staged file is shorter than its recorded size")
-                crc = zlib.crc32(body)
+                crc = crc32(body)
                 return self.s3.upload_part_sync(key, upload_id, r.number, body, crc), crc
             crc = _crc_of_range(fd, r.start, r.size)
             return self.s3.upload_part_sync(key, upload_id, r.number, FileRange(fd, r.start, r.size),

@@ -3,7 +3,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from ckptfs.checksum import b64_crc32, crc32_combine, crc32_of_parts
+from ckptfs.checksum import b64_crc32, crc32, crc32_combine, crc32_of_parts
 
 
 def test_combine_matches_zlib_over_the_concatenation() -> None:
@@ -19,3 +19,12 @@ def test_many_equal_parts_and_a_tail() -> None:
 
 def test_s3_form() -> None:
     assert b64_crc32(zlib.crc32(b"hello")) == "NhCmhg=="
+
+
+def test_crc32_is_zlibs_crc_on_bytes_views_and_continuations() -> None:
+    data = os.urandom((3 << 20) + 5)
+    view = memoryview(data)[7:]
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(view) == zlib.crc32(view)
+    assert crc32(data[100:], crc32(data[:100])) == zlib.crc32(data)
+    assert crc32(b"") == 0
