@@ -56,7 +56,7 @@ class Stats:
             "retries": up.retries, "bytes_uploaded": up.bytes_uploaded,
             "upload_throughput_bytes_per_second": round(rate),
             "bytes_downloaded": rd.bytes_downloaded, "chunk_cache_hits": rd.hits,
-            "chunk_cache_misses": rd.misses, "local_read_bytes": fs.local_read_bytes,
+            "chunk_cache_misses": rd.misses, "chunk_disk_hits": rd.disk_hits, "local_read_bytes": fs.local_read_bytes,
             "cache_bytes": fs.cache.total, "cache_budget": fs.cache.budget,
             "journal_writes": up.journal.writes if up.journal else 0,
             "latency_counts": list(up.latency_counts), "latency_sum": up.latency_sum,
@@ -101,6 +101,8 @@ class _Collector(Collector):
         yield counter("cache_hits", "Read chunks served from the in-memory chunk cache",
                       s["chunk_cache_hits"])
         yield counter("cache_misses", "Read chunks fetched from S3", s["chunk_cache_misses"])
+        yield counter("disk_cache_hits", "Reads answered from the read cache on disk",
+                      s["chunk_disk_hits"])
         yield gauge("pending_uploads", "Closed files not yet in S3", s["pending_files"])
         yield gauge("pending_bytes", "Bytes of closed files not yet in S3", s["pending_bytes"])
         yield gauge("uploads_in_flight", "Uploads and streamed parts in flight", s["uploads_in_flight"])

@@ -10,6 +10,7 @@ from pathlib import Path
 import trio
 
 from ckptfs.cache import ObjectCache
+from ckptfs.errors import S3Error
 from ckptfs.prefetch import ChunkReader, LocalView, ReadStream
 
 KiB = 1024
@@ -21,15 +22,35 @@ def content(key: str, size: int) -> bytes:
 
 
 class SlowS3:
+    """Answers ranged GETs after a random delay, buffer by buffer like the real client."""
+
     def __init__(self, objects: dict[str, bytes]) -> None:
         self.objects = objects
-        self.gets = 0
+        self.gets = 0  # requests
+        self.chunks = 0  # buffers filled
         self.rng = random.Random(7)
+        self.hold: trio.Event | None = None  # set: multi-chunk GETs wait here after their first buffer
+        self.fail_after_first = False  # multi-chunk GETs fail after their first buffer
+        self.failed = 0
 
     async def get_range_into(self, key: str, start: int, buf, length: int, etag=None) -> None:
+        await self.get_ranges_into(key, start, [memoryview(buf)[:length]], etag)
+
+    async def get_ranges_into(self, key: str, start: int, outs, etag=None, filled=None) -> None:
         self.gets += 1
         await trio.sleep(self.rng.random() / 200)
-        memoryview(buf)[:length] = self.objects[key][start:start + length]
+        for i, out in enumerate(outs):
+            if i == 1 and self.fail_after_first:
+                self.failed += 1
+                raise S3Error("injected: the connection dropped mid-body", retryable=True)
+            out[:] = self.objects[key][start:start + len(out)]
+            start += len(out)
+            self.chunks += 1
+            if filled is not None:
+                filled(i)
+            if i == 0 and len(outs) > 1 and self.hold is not None:
+                await trio.sleep(0.01)  # let the loop run ready() first, as a thread would
+                await self.hold.wait()
 
 
 async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_right_bytes(tmp_path: Path) -> None:
@@ -59,11 +80,69 @@ async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_righ
                 nursery.start_soon(sequential, key)
             for key in list(objects)[:3]:
                 nursery.start_soon(scattered, key)
-            while s3.gets < 8 * 21:  # every chunk fetched at least once
+            while s3.chunks < 8 * 21:  # every chunk fetched at least once
                 await trio.sleep(0.01)
             await trio.sleep(0.5)
             nursery.cancel_scope.cancel()
     assert reader._buffers == 2
+
+
+async def test_readahead_fetches_runs_of_chunks_with_one_get_each(tmp_path: Path) -> None:
+    data = content("big", 32 * CHUNK + 1)
+    s3 = SlowS3({"big": data})
+    reader = ChunkReader(s3, None, chunk_size=CHUNK, memory_budget=16 * CHUNK,  # type: ignore[arg-type]
+                         max_window=8, get_chunks=4)
+    got, stream = [], ReadStream()
+    async with trio.open_nursery() as nursery:
+        reader.nursery = nursery
+        for off in range(0, len(data), 32 * KiB):
+            got.append(bytes(await reader.read("big", "e", len(data), off, 32 * KiB, stream)))
+    assert b"".join(got) == data
+    assert s3.chunks == 33  # each chunk fetched once
+    assert s3.gets <= 12, s3.gets  # two demand reads, then runs of up to four
+
+
+async def test_a_chunk_of_a_run_is_served_before_the_rest_of_its_get_arrives(tmp_path: Path) -> None:
+    data = content("k", 16 * CHUNK)
+    s3 = SlowS3({"k": data})
+    s3.hold = trio.Event()
+    reader = ChunkReader(s3, None, chunk_size=CHUNK, memory_budget=16 * CHUNK,  # type: ignore[arg-type]
+                         max_window=8, get_chunks=4)
+    stream = ReadStream()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            reader.nursery = nursery
+            for off in range(0, 2 * CHUNK, 16 * KiB):  # sequential: readahead of runs begins
+                await reader.read("k", "e", len(data), off, 16 * KiB, stream)
+            # Chunk 2 heads a run whose GET is held after its first buffer: it is served anyway.
+            assert bytes(await reader.read("k", "e", len(data), 2 * CHUNK, 100, stream)) == \
+                data[2 * CHUNK:2 * CHUNK + 100]
+            assert s3.gets < 2 + 16  # it came from a run, not a GET of its own
+            s3.hold.set()
+            for off in range(2 * CHUNK, len(data), 16 * KiB):
+                assert bytes(await reader.read("k", "e", len(data), off, 16 * KiB, stream)) == \
+                    data[off:off + 16 * KiB]
+
+
+async def test_a_run_that_fails_midway_keeps_its_full_chunks_and_refetches_the_rest(tmp_path: Path) -> None:
+    data = content("k", 12 * CHUNK)
+    s3 = SlowS3({"k": data})
+    cache = ObjectCache(str(tmp_path), 1 << 30)
+    reader = ChunkReader(s3, cache, chunk_size=CHUNK, memory_budget=16 * CHUNK,  # type: ignore[arg-type]
+                         max_window=8, get_chunks=4)
+    s3.fail_after_first = True
+    got, stream = [], ReadStream()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            reader.nursery = nursery
+            for off in range(0, len(data), 16 * KiB):
+                got.append(bytes(await reader.read("k", "e", len(data), off, 16 * KiB, stream)))
+    assert b"".join(got) == data  # readahead failures cost refetches, never errors
+    await reader.settle()
+    # The first chunk of every failed run was kept (it went to the disk cache); the others
+    # were fetched again by the reader, one GET each.
+    assert sorted(p.stat().st_size for p in (tmp_path / "cache").iterdir()) == [CHUNK] * 12
+    assert s3.failed >= 2 and s3.chunks == 12  # no chunk fetched twice
 
 
 async def test_fetched_chunks_are_kept_on_disk_and_served_from_there(tmp_path: Path) -> None:
@@ -82,6 +161,7 @@ async def test_fetched_chunks_are_kept_on_disk_and_served_from_there(tmp_path: P
     got = [bytes(await again.read("k", "e", len(data), off, 1000, ReadStream()))
            for off in range(0, len(data), 1000)]
     assert b"".join(got) == data and s3.gets == gets
+    assert again.disk_hits >= len(got) and again.hits == 0  # a read across two chunk files counts two
 
 
 async def test_a_torn_chunk_file_is_dropped_and_fetched_again(tmp_path: Path) -> None:
