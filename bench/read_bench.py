@@ -45,6 +45,11 @@ def read_all(path: str) -> int:
     return n
 
 
+def _span(values, fmt: str) -> str:
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 class ReadBench:
     def __init__(self, work: str, server: devserver.DevServer) -> None:
         self.work, self.server = work, server
@@ -53,6 +58,7 @@ class ReadBench:
         self.env = devserver.client_env(server.endpoint)
         self.samples: dict[tuple[str, str, int], list[float]] = {}
         self.notes: dict[tuple[str, str], list[str]] = {}
+        self.daemon: dict[tuple[str, str], list[tuple[float, int]]] = {}  # (CPU s, peak RSS) per round
         self._n = 0
 
     def path(self, name: str) -> str:
@@ -75,7 +81,10 @@ class ReadBench:
         rows = []
         for (workload, method, size), times in self.samples.items():
             note = f"median of {len(times)}: {min(times):.2f}-{max(times):.2f} s" if len(times) > 1 else ""
-            extra = self.notes.get((workload, method))
+            extra = list(self.notes.get((workload, method), []))
+            if (workload, method) in self.daemon:
+                cpus, rsss = zip(*self.daemon[workload, method])
+                extra.append(f"daemon {_span(cpus, '.1f')} CPU s, peak RSS {_span([r / MiB for r in rsss], '.0f')} MiB")
             if extra:
                 note = "; ".join([note] + extra) if note else "; ".join(extra)
             rows.append(Row(workload, method, statistics.median(times), size, note))
@@ -111,11 +120,11 @@ class ReadBench:
         wait_mount(mnt, proc)
         return mnt, proc
 
-    @staticmethod
-    def daemon_note(mnt: str) -> str:
+    def note_daemon(self, workload: str, method: str, mnt: str) -> None:
+        """Record the CPU seconds and peak RSS of the daemon serving `mnt` so far."""
         from ckptfs.daemon import state_path
         pid = json.load(open(state_path(mnt)))["pid"]
-        return f"daemon {Bench._cpu(pid):.1f} CPU s, peak RSS {Bench._peak_rss(pid) / MiB:.0f} MiB"
+        self.daemon.setdefault((workload, method), []).append((Bench._cpu(pid), Bench._peak_rss(pid)))
 
 
 def main() -> int:
@@ -169,7 +178,7 @@ def main() -> int:
             mounts.append(mnt)
             cold = "ckptfs cold read (fresh mount, empty cache)"
             b.timed(w, cold, size, lambda: read_all(os.path.join(mnt, "cold.bin")))
-            b.note(w, cold, b.daemon_note(mnt))
+            b.note_daemon(w, cold, mnt)
             b.unmount_ckptfs(mnt)
             mnt = b.mount_ckptfs(cache)  # same cache dir: warm
             mounts.append(mnt)
