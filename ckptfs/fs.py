@@ -293,9 +293,10 @@ class CheckpointFS(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         node = self._inode(inode)
         # A LIST entry is trusted like a HEAD for the TTL: `ls -l` of a big directory costs
-        # its LIST pages, not one HEAD per file (modes show defaults until a HEAD).
+        # its LIST pages, not one HEAD per file (modes show defaults until a HEAD). An open
+        # file keeps the version it opened (see Namespace._refresh_file): no HEAD for it.
         if (not node.is_dir and not node.is_local and node.etag is not None
-                and not self.ns.fresh(node.validated_at)):
+                and node.open_handles == 0 and not self.ns.fresh(node.validated_at)):
             try:
                 self.ns.apply_object(node, await self.s3.head(self.table.key_of(node)), True)
             except NoSuchKey:

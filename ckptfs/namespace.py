@@ -189,7 +189,12 @@ class Namespace:
     def _refresh_file(self, parent: Inode, child: Inode, info: ObjectInfo, with_metadata: bool) -> Inode:
         """`child` refreshed from S3; a new inode if the object changed behind the mount's back
         and nothing here holds the old version: with the writeback cache on, the kernel keeps
-        its own size of an inode it knows and would go on showing the old one."""
+        its own size of an inode it knows and would go on showing the old one. An inode that
+        is open keeps its version until closed: its readers must never get bytes of two
+        versions (once the old one is gone from S3, their reads fail instead)."""
+        if info.etag != child.etag and child.open_handles > 0:
+            child.validated_at = time.monotonic()
+            return child
         if (child.etag is not None and info.etag != child.etag and child.open_handles == 0
                 and child.staged is None and child.lookups > 0):
             return self._new_file(parent, child.name, info, with_metadata)

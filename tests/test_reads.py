@@ -3,12 +3,15 @@ and prefetch serve cold and warm reads with a bounded number of GETs."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from conftest import BUCKET, run_ckptfs, s3_bytes
 
@@ -221,3 +224,37 @@ def test_the_mount_reads_ahead_more_than_the_kernel_default(mounter) -> None:
     assert found == 48
     with open(f"{conn}/congestion_threshold") as f:
         assert int(f.read()) == 36
+
+
+@pytest.mark.parametrize("origin", ["remote", "written here"])
+def test_an_open_file_keeps_its_version_when_another_host_overwrites_it(mounter, s3, prefix: str,
+                                                                        origin: str) -> None:
+    # A reader must never get bytes of two versions. A getattr (fstat) or a lookup (stat of
+    # the path) past the TTL used to move the open inode to the new object: its later reads then
+    # fetched the new version's bytes (or dropped the local copy of a file written here).
+    old, new = os.urandom(64 * MiB), os.urandom(64 * MiB)
+    mnt = mounter("--metadata-ttl", "0.2")
+    path = mnt.path / "v.pt"
+    if origin == "remote":
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/v.pt", Body=old)
+    else:
+        path.write_bytes(old)
+    drop_page_cache()  # the reads below reach the daemon
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == old[:4096]
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/v.pt", Body=new)  # another host
+        time.sleep(0.5)
+        os.fstat(fd)  # a getattr past the TTL
+        time.sleep(0.5)
+        os.stat(path)  # a lookup past the TTL
+        try:
+            tail = os.pread(fd, 4096, 60 * MiB)
+        except OSError as exc:  # the old version is gone from S3: an error, not new bytes
+            assert origin == "remote" and exc.errno == errno.EIO, exc
+        else:
+            assert tail == old[60 * MiB:60 * MiB + 4096]
+    finally:
+        os.close(fd)
+    time.sleep(0.5)
+    assert path.read_bytes() == new  # closed: the next open sees the new version
