@@ -157,6 +157,7 @@ READAHEAD_KB = 16384
 # 16 MiB of readahead needs, and readers then did part of it synchronously (warm 1 GiB read
 # of the disk cache: 1.7-2.1 s at 12, 1.3-1.6 s at 48; reader CPU 1.0 -> 0.5 s).
 MAX_BACKGROUND = 48
+FUSECTL = "/sys/fs/fuse/connections"
 
 
 async def _tune_connection(fs: CheckpointFS, real_mountpoint: str) -> None:
@@ -172,7 +173,9 @@ async def _tune_connection(fs: CheckpointFS, real_mountpoint: str) -> None:
     if fields is None:
         return
     device = fields[2]
-    conn = f"/sys/fs/fuse/connections/{device.split(':')[1]}"
+    conn = f"{FUSECTL}/{device.split(':')[1]}"
+    if os.geteuid() == 0 and _mountinfo(FUSECTL) is None:
+        await trio.to_thread.run_sync(_mount_fusectl)
     settings = [(f"/sys/class/bdi/{device}/read_ahead_kb", READAHEAD_KB),
                 (f"{conn}/max_background", MAX_BACKGROUND),
                 (f"{conn}/congestion_threshold", MAX_BACKGROUND * 3 // 4)]
@@ -189,6 +192,16 @@ async def _tune_connection(fs: CheckpointFS, real_mountpoint: str) -> None:
             except OSError as exc:
                 log.debug("could not set %s to %d: %s", path, value, exc)
                 break
+
+
+def _mount_fusectl() -> None:
+    """Mount the FUSE control filesystem, as systemd does at boot (sys-fs-fuse-connections.mount);
+    containers and minimal hosts often lack it, and the mount's max_background is set there."""
+    r = subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True, text=True)
+    if r.returncode == 0:
+        log.info("mounted the FUSE control filesystem at %s", FUSECTL)
+    else:
+        log.debug("could not mount fusectl at %s: %s", FUSECTL, r.stderr.strip())
 
 
 def _raise_fd_limit() -> None:
