@@ -3,15 +3,19 @@ of order (the real mount and server are in test_reads.py; these need sizes it ca
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import random
 from pathlib import Path
 
+import pytest
 import trio
 
 from ckptfs.cache import ObjectCache
 from ckptfs.errors import S3Error
-from ckptfs.prefetch import ChunkReader, LocalView, ReadStream
+from ckptfs.prefetch import ChunkReader, LocalView, ReadStream, store_file
+from ckptfs.s3 import _read_body_into
 
 KiB = 1024
 CHUNK = 64 * KiB
@@ -238,3 +242,103 @@ async def test_a_local_file_that_shrinks_while_its_pages_load_is_answered_up_to_
         assert bytes(got) == b""
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_fetched_chunk_is_stored_whole_with_or_without_o_direct(tmp_path: Path, monkeypatch,
+                                                                   direct: bool) -> None:
+    # O_DIRECT needs aligned lengths (padding, then a truncate); a file system without it
+    # (EINVAL) gets buffered writes of the exact length.
+    real_open = os.open
+    opened: list[int] = []
+
+    def spy(path, flags, *args):
+        if flags & os.O_DIRECT and not direct:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        fd = real_open(path, flags, *args)
+        opened.append(flags)
+        return fd
+    monkeypatch.setattr(os, "open", spy)
+    buf = mmap.mmap(-1, 64 * KiB)
+    data = random.Random(5).randbytes(40 * KiB + 123)  # not a multiple of the block size
+    buf[:len(data)] = data
+    out = tmp_path / "chunk.tmp"
+    store_file(str(out), buf, len(data))
+    assert out.read_bytes() == data
+    assert bool(opened[0] & os.O_DIRECT) == direct  # tmp_path is on ext4, which has O_DIRECT
+
+
+class _Fp:
+    """The http.client response under urllib3: readinto in pieces, maybe failing midway."""
+
+    def __init__(self, data: bytes, piece: int, fail_at: int | None = None) -> None:
+        self.data, self.pos, self.piece, self.fail_at = data, 0, piece, fail_at
+        self.closed = False
+
+    def readinto(self, out: memoryview) -> int:
+        if self.fail_at is not None and self.pos >= self.fail_at:
+            raise ConnectionResetError("reset by peer")
+        n = min(len(out), self.piece, len(self.data) - self.pos)
+        out[:n] = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Body:
+    def __init__(self, data: bytes, fast: bool = True, **fp_args) -> None:
+        self.data = data
+        self.closed = self.released = False
+        if fast:
+            self._raw_stream = self
+            self._fp = _Fp(data, **fp_args)
+
+    def release_conn(self) -> None:
+        self.released = True
+
+    def read(self) -> bytes:
+        return self.data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_get_body_fills_its_buffers_in_order(fast: bool) -> None:
+    data = random.Random(6).randbytes(3 * 10_000)
+    outs = [memoryview(bytearray(10_000)) for _ in range(3)]
+    filled: list[int] = []
+    body = _Body(data, fast, piece=4096) if fast else _Body(data, fast)
+    _read_body_into("k", body, outs, filled.append)
+    assert b"".join(bytes(o) for o in outs) == data and filled == [0, 1, 2]
+    if fast:  # read to its end: the connection goes back to the pool
+        assert body._fp.closed and body.released and not body.closed
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_short_get_body_is_a_retryable_error_and_keeps_the_full_buffers(fast: bool) -> None:
+    data = random.Random(7).randbytes(25_000)
+    outs = [memoryview(bytearray(10_000)) for _ in range(3)]
+    filled: list[int] = []
+    body = _Body(data, fast, piece=4096) if fast else _Body(data, fast)
+    with pytest.raises(S3Error) as err:
+        _read_body_into("k", body, outs, filled.append)
+    assert err.value.retryable and "short body" in str(err.value)
+    if fast:
+        assert filled == [0, 1] and bytes(outs[1]) == data[10_000:20_000]
+        assert body.closed and not body.released  # never pool a connection in that state
+    else:
+        assert filled == []
+
+
+def test_a_get_body_that_breaks_midway_drops_its_connection() -> None:
+    data = random.Random(8).randbytes(30_000)
+    outs = [memoryview(bytearray(10_000)) for _ in range(3)]
+    filled: list[int] = []
+    body = _Body(data, piece=4096, fail_at=12_000)
+    with pytest.raises(S3Error) as err:
+        _read_body_into("k", body, outs, filled.append)
+    assert err.value.retryable and filled == [0]
+    assert body.closed and not body.released
