@@ -18,6 +18,7 @@ import argparse
 import concurrent.futures
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,7 @@ class Bench:
         self.env = devserver.client_env(server.endpoint)
         self.rows: list[Row] = []
         self.daemon_stats: dict[str, str] = {}
+        self.ckptfs_args: list[str] = []
         self._n = 0
 
     def path(self, name: str) -> str:
@@ -202,10 +204,11 @@ class Bench:
         key = f"ck-{durability}/{workload}.bin"
         r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{self.server.bucket}/ck-{durability}",
                             mnt, "--cache-dir", cache, "--durability", durability,
-                            "--log-level", os.environ.get("CKPTFS_BENCH_LOG_LEVEL", "info")],
+                            "--log-level", os.environ.get("CKPTFS_BENCH_LOG_LEVEL", "info"),
+                            *self.ckptfs_args],
                            env=self.env, capture_output=True, text=True)
         if r.returncode:
-            raise RuntimeError(f"ckptfs mount failed: {r.stderr}")
+            raise RuntimeError(f"ckptfs mount failed: {r.stderr.strip()}")
         try:
             import json
             pid = json.load(open(self._state_file(mnt)))["pid"]
@@ -259,10 +262,13 @@ class Bench:
             wait_mount(mnt, proc)
             drop_caches()
             t = time.monotonic()
-            write(os.path.join(mnt, f"{workload}.bin"))
+            path = os.path.join(mnt, f"{workload}.bin")
+            write(path)
             closed = time.monotonic() - t
             self.rows.append(Row(workload, "e. rclone mount (write+close)", closed, size))
-            while self.object_size(key) != size:
+            # torch.save names its archive after the file: its size is this file's, not `size`.
+            expected = os.path.getsize(path)
+            while self.object_size(key) != expected:
                 time.sleep(0.05)
                 if time.monotonic() - t > RCLONE_PATIENCE:
                     self.rows.append(Row(workload, "e. rclone mount (until in S3)", 0.0, size,
@@ -351,6 +357,7 @@ def main() -> int:
     ap.add_argument("--torch-gib", type=float, default=1.0, help="state dict size for torch.save (0: skip)")
     ap.add_argument("--skip-peers", action="store_true", help="no s3fs / rclone")
     ap.add_argument("--work", default="/var/tmp", help="where the benchmark puts its files")
+    ap.add_argument("--ckptfs-args", default="", help='more options for ckptfs mount, e.g. "--concurrency 16"')
     args = ap.parse_args()
     if not args.skip_peers:
         missing = [t for t in ("s3fs", "rclone") if shutil.which(t) is None]
@@ -361,6 +368,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.work)
     server = devserver.start(os.path.join(work, "s3"), bucket="bench")
     bench = Bench(work, server)
+    bench.ckptfs_args = shlex.split(args.ckptfs_args)
     try:
         for gib in [float(x) for x in args.sizes.split(",") if x]:
             src = os.path.join(work, f"random-{gib:g}g.bin")
@@ -378,6 +386,9 @@ def main() -> int:
         print()
         print(report(bench))
         return 0
+    except RuntimeError as exc:  # a mount that failed (bad --ckptfs-args), a peer that broke
+        print(f"bench: {exc}", file=sys.stderr)
+        return 1
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
