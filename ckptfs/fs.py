@@ -667,8 +667,13 @@ class CheckpointFS(pyfuse3.Operations):
             return data
         if node.etag is None or off >= node.size:
             return b""
-        return await self.reader.read(self.table.key_of(node), node.etag, node.size, off, size,
-                                      handle.stream)
+        try:
+            return await self.reader.read(self.table.key_of(node), node.etag, node.size, off, size,
+                                          handle.stream)
+        except NoSuchKey:  # not ENOENT: read(2) of an open file has no such meaning
+            log.warning("read of %s: the object was deleted from S3 while open here",
+                        self.table.path_of(node))
+            raise _fail(errno.EIO) from None
 
     @_guarded
     async def write(self, fh: int, off: int, buf: bytes) -> int:

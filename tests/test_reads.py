@@ -259,3 +259,27 @@ def test_an_open_file_keeps_its_version_when_another_host_overwrites_it(mounter,
         os.close(fd)
     time.sleep(0.5)
     assert path.read_bytes() == new  # closed: the next open sees the new version
+
+
+def test_an_open_file_whose_object_another_host_deletes_fails_its_uncached_reads(
+        mounter, s3, prefix: str) -> None:
+    data = os.urandom(64 * MiB)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/gone.pt", Body=data)
+    mnt = mounter("--metadata-ttl", "0.2")
+    path = mnt.path / "gone.pt"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == data[:4096]
+        s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/gone.pt")  # another host
+        time.sleep(0.5)
+        assert not path.exists()
+        try:
+            tail = os.pread(fd, 4096, 60 * MiB)
+        except OSError as exc:
+            assert exc.errno == errno.EIO, exc
+        else:
+            assert tail == data[60 * MiB:60 * MiB + 4096]  # never other bytes
+        assert os.pread(fd, 4096, 0) == data[:4096]  # what was read stays readable
+    finally:
+        os.close(fd)
+    assert os.listdir(mnt.path) == []  # the mount is fine
