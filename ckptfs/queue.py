@@ -64,8 +64,10 @@ class UploadQueue:
                     await self._commit(inode)
                     entry.error = None
                     self.uploaded += 1
-                except UploadError as exc:
-                    entry.error = str(exc)
+                except Exception as exc:  # noqa: BLE001 - one file's failure never ends the daemon
+                    if not isinstance(exc, UploadError):
+                        log.exception("upload of %s failed unexpectedly; retrying", self._path_of(inode))
+                    entry.error = str(exc) or type(exc).__name__
                     entry.attempts += 1
                     self._notify()
                     hurry = self._hurry

@@ -386,10 +386,17 @@ class Uploader:
                 up.metadata, up.upload_id, up.key = meta, upload_id, key
                 # Journal the upload at once, so a crash leaves nothing unowned in S3.
                 rec = up.record
-                if rec is not None and rec.closed and rec.key == key:
-                    await self._save(up, dataclasses.replace(rec, upload_id=upload_id, parts=()))
-                else:
-                    await self._save(up, Record(up.journal_name or "", key, False, upload_id=upload_id))
+                try:
+                    if rec is not None and rec.closed and rec.key == key:
+                        await self._save(up, dataclasses.replace(rec, upload_id=upload_id, parts=()))
+                    else:
+                        await self._save(up, Record(up.journal_name or "", key, False,
+                                                    upload_id=upload_id))
+                except OSError as exc:
+                    # Only a convenience: after a crash an upload nobody recorded is aborted
+                    # as an orphan. A full cache disk must not stop the upload that frees it.
+                    log.warning("could not journal the multipart upload of %s (%s); going on",
+                                key, exc)
             return up.upload_id
 
     async def _send_part(self, up: FileUpload, fd: int, key: str, upload_id: str, r: PartRange,
