@@ -196,6 +196,9 @@ def _status(mountpoint: str, as_json: bool) -> int:
           f"{rec['orphans_aborted']} stale uploads aborted")
     for name, reason in rec["set_aside"]:
         print(f"  set aside {name}: {reason}")
+    for torn in st.get("torn_writes", []):
+        print(f"not published (writer killed by signal {torn['signal']}): {torn['path']}; "
+              f"its bytes: {torn['preserved']}")
     notice = st.get("spot_notice")
     print("spot notice: " + (f"{notice.get('action', '?')} at {notice.get('time', '?')}" if notice
                              else "none"))

@@ -29,6 +29,7 @@ from ckptfs.journal import Journal
 from ckptfs.metrics import Stats
 from ckptfs.metrics import serve as serve_metrics
 from ckptfs.notify import Notifier
+from ckptfs.oplog import OrderedLog
 from ckptfs.recovery import Recovery
 from ckptfs.parts import PartPlan
 from ckptfs.prefetch import ChunkReader
@@ -229,9 +230,12 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
     uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency,
                         stream_while_writing=config.durability == "close", journal=journal,
                         upload_timeout=config.upload_timeout)
-    # Before the mount goes live: what an earlier daemon journaled reaches S3 first.
+    oplog = OrderedLog(journal, uploader, s3)
+    # Before the mount goes live: what an earlier daemon journaled reaches S3 first, and the
+    # ordered log's entries in their order.
     report = await Recovery(journal, staging.dir, staging.preserved_dir, s3, uploader).run(
         config.prefix, config.abort_stale_uploads_after)
+    oplog.continue_after(report.last_seq)
     if report.failed:
         key, reason = report.failed[0]
         more = f" (and {len(report.failed) - 1} more)" if len(report.failed) > 1 else ""
@@ -243,7 +247,7 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
         s3=s3, prefix=config.prefix, staging=staging, uploader=uploader,
         reader=ChunkReader(s3, cache), uid=os.getuid(), gid=os.getgid(), read_only=config.read_only,
         metadata_ttl=config.metadata_ttl, cache=cache,
-        durability=config.durability,
+        durability=config.durability, log=oplog,
     )
     options = set(pyfuse3.default_options)
     options |= {f"fsname=ckptfs:{config.bucket}/{config.prefix}", "subtype=ckptfs"}
@@ -274,7 +278,7 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
         log.info("mounted s3://%s/%s at %s (cache %s)", config.bucket, config.prefix,
                  config.mountpoint, config.cache_dir)
         async with trio.open_nursery() as nursery:
-            fs.reader.nursery = fs.uploader.nursery = fs.queue.nursery = nursery
+            fs.reader.nursery = fs.uploader.nursery = fs.queue.nursery = oplog.nursery = nursery
             await nursery.start(control.serve, control_sock, _control_handlers(fs, stats))
             nursery.start_soon(_watch_signals, fs, config.drain_timeout, stats, notifier)
             nursery.start_soon(_report_status, stats, notifier)
@@ -290,7 +294,7 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
             # S3 keep their journal records, and the next mount delivers them.
             for inode in fs.table.all():
                 await fs.uploader.abort(inode.upload)
-                if inode.staged is not None and not inode.is_local:
+                if inode.staged is not None and not inode.is_local and not inode.staged.held:
                     fs._keep_local_copy(inode)  # clean: stays readable after the next mount
             nursery.cancel_scope.cancel()
     finally:
@@ -299,8 +303,10 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
         pyfuse3.close(unmount=True)
         if metrics_server is not None:
             metrics_server.shutdown()
-    pending = [i for i in fs.table.all() if i.dirty and not i.unlinked]
-    journaled = sum(1 for i in pending if i.upload.record is not None and i.upload.record.closed)
+    dirty = [i for i in fs.table.all() if i.dirty and not i.unlinked]
+    journaled = sum(1 for i in dirty if i.upload.record is not None and i.upload.record.closed)
+    journaled += len(oplog)  # every log entry is journaled
+    pending = dirty + oplog.pending()
     with contextlib.suppress(OSError):
         with open(result, "w") as f:
             json.dump({"pid": os.getpid(), "pending": len(pending), "journaled": journaled,
@@ -321,13 +327,12 @@ def _on_spot_notice(fs: CheckpointFS, notice: dict) -> None:
                 notice.get("action", "?"), notice.get("time", "?"))
     fs.spot_notice = notice
     fs.reader.readahead = False
-    fs.queue.hurry()
-    fs.uploader.hurry()
+    fs.hurry()
 
 
 def _control_handlers(fs: CheckpointFS, stats: Stats) -> dict:
     async def sync(request: dict) -> dict:
-        failed = await fs.queue.wait(str(request.get("path", "")))
+        failed = await fs.wait_in_s3(str(request.get("path", "")))
         return {"failed": failed}
 
     async def status(request: dict) -> dict:
@@ -353,11 +358,11 @@ async def _watch_signals(fs: CheckpointFS, drain_timeout: float, stats: Stats,
             stats.refresh()
             notifier.stopping(stats.line())
             with trio.move_on_after(drain_timeout) as scope:
-                await fs.queue.drain()
+                await fs.drain()
                 await fs.uploader.idle.wait()
             if scope.cancelled_caught:
                 log.error("drain timeout (%.0fs) reached with %d uploads pending",
-                          drain_timeout, len(fs.queue.pending()))
+                          drain_timeout, len(fs.pending()))
             pyfuse3.terminate()
             return
 

@@ -6,6 +6,8 @@ Every handler runs under `_guarded`, so an unexpected exception becomes EIO
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import errno
 import functools
 import logging
@@ -21,13 +23,16 @@ import trio
 
 from ckptfs.errors import CkptfsError, NoSpace, NoSuchKey, UploadError, raise_first_error
 from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
+from ckptfs.journal import Record
 from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace, object_metadata
+from ckptfs.opener import Opener, killing_signal, opener_of
+from ckptfs.oplog import Entry, OrderedLog
 from ckptfs.prefetch import ChunkReader, ReadStream
 from ckptfs.queue import UploadQueue
 from ckptfs.s3 import S3Client
 from ckptfs.cache import ObjectCache
-from ckptfs.staging import StagedFile, StagingArea
-from ckptfs.uploader import Uploader
+from ckptfs.staging import StagedFile, StagingArea, copy_file
+from ckptfs.uploader import FileUpload, Uploader
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,7 @@ class Handle:
     inode: Inode
     writable: bool
     stream: ReadStream = field(default_factory=ReadStream)
+    opener: Opener | None = None  # who opened it for writing (FLUSH does not say who closes)
 
 
 @dataclass(eq=False)
@@ -78,11 +84,14 @@ class CheckpointFS(pyfuse3.Operations):
 
     def __init__(self, *, s3: S3Client, prefix: str, staging: StagingArea, uploader: Uploader,
                  reader: ChunkReader, uid: int, gid: int, read_only: bool, metadata_ttl: float,
-                 cache: ObjectCache, durability: str = "close") -> None:
+                 cache: ObjectCache, durability: str = "close", log: OrderedLog | None = None) -> None:
         super().__init__()
         self.s3 = s3
         self.table = InodeTable(prefix, uid, gid)
-        self.ns = Namespace(s3, self.table, uid, gid, metadata_ttl)
+        # Async mode: every change reaches S3 through the ordered log, in order.
+        self.log = log if durability == "async" else None
+        self.ns = Namespace(s3, self.table, uid, gid, metadata_ttl,
+                            masked=self.log.masked if self.log is not None else None)
         self.staging = staging
         self.uploader = uploader
         self.reader = reader
@@ -100,6 +109,7 @@ class CheckpointFS(pyfuse3.Operations):
         self.space_wait = uploader.upload_timeout  # how long a writer waits for space
         self._handles: dict[int, Handle | DirHandle] = {}
         self._next_fh = 1
+        self.torn_writes: list[dict] = []  # writers killed mid-write: not published
 
     # ----- helpers -------------------------------------------------------
 
@@ -168,6 +178,7 @@ class CheckpointFS(pyfuse3.Operations):
     async def _ensure_staged(self, inode: Inode, truncate: bool) -> None:
         """Give `inode` a staged file holding its whole content (or none, if truncating)."""
         if inode.staged is not None:
+            await self._unshare(inode, keep_bytes=not truncate)
             if truncate:
                 inode.staged.truncate(0)
                 self.uploader.note_truncate(inode.upload, 0)
@@ -175,7 +186,7 @@ class CheckpointFS(pyfuse3.Operations):
         staged = self._new_staged(inode)
         try:
             if not truncate and inode.etag is not None and inode.size > 0:
-                key = self.table.key_of(inode)
+                key = self.table.object_key(inode)
                 staged.close()
                 # A cached whole copy becomes the staged file (a rename); else download it.
                 if not self.cache.take(key, inode.etag, staged.path):
@@ -184,6 +195,27 @@ class CheckpointFS(pyfuse3.Operations):
             staged.remove()
             raise
         inode.staged = staged
+
+    async def _unshare(self, inode: Inode, keep_bytes: bool) -> None:
+        """Before the staged bytes change: if a pending log entry publishes them, the inode
+        moves to a copy (or, when truncating, a new empty file); the entry keeps its bytes.
+        Copy rather than wait: the entry may sit behind a long backlog."""
+        while inode.staged is not None and inode.staged.held:
+            old = inode.staged
+            new = self.staging.new_file()
+            try:
+                if keep_bytes and inode.size > 0:
+                    await trio.to_thread.run_sync(copy_file, old.path, new.fd, inode.size)
+            except BaseException:
+                new.remove()
+                raise
+            if inode.staged is not old:  # changed while copying: start from what it is now
+                new.remove()
+                continue
+            inode.staged = new
+            inode.upload = FileUpload(journal_name=os.path.basename(new.path))
+            if not old.held:  # published while copying: nobody refers to it any more
+                old.remove()
 
     def _new_staged(self, inode: Inode) -> StagedFile:
         staged = self.staging.new_file()
@@ -200,6 +232,8 @@ class CheckpointFS(pyfuse3.Operations):
         staged = inode.staged
         assert staged is not None
         staged.close()
+        if staged.held:
+            return  # the log publishes it first, then hands it back
         inode.staged = None
         if inode.etag is None or inode.unlinked:
             staged.remove()
@@ -262,6 +296,9 @@ class CheckpointFS(pyfuse3.Operations):
 
     async def _persist_metadata(self, inode: Inode) -> None:
         """Write changed mode/owner/mtime of a clean object back to S3."""
+        if self.log is not None:
+            await self._log_metadata(inode)
+            return
         if inode.is_local or inode.ino == ROOT_INODE:
             return
         key = self.table.key_of(inode)
@@ -273,6 +310,214 @@ class CheckpointFS(pyfuse3.Operations):
         async with inode.upload_lock:
             inode.etag = await self.s3.copy(key, key, inode.size, object_metadata(inode))
             inode.validated_at = time.monotonic()
+
+    # ----- what is not in S3 yet, for sync, status and drain ------------
+
+    def pending(self) -> list[tuple[str, int, str | None]]:
+        """(path, bytes, last error) of every change S3 does not have yet."""
+        out = self.queue.pending()
+        if self.log is not None:
+            out += self.log.pending()
+        return out
+
+    async def wait_in_s3(self, path: str = "") -> list[tuple[str, str]]:
+        """`ckptfs sync PATH`: wait for everything closed under PATH; (path, reason) of failures."""
+        failed = await self.queue.wait(path)
+        if self.log is not None:
+            failed += await self.log.wait(path)
+        return failed
+
+    async def drain(self) -> None:
+        await self.queue.drain()
+        if self.log is not None:
+            await self.log.drain()
+
+    def hurry(self) -> None:
+        self.queue.hurry()
+        self.uploader.hurry()
+        if self.log is not None:
+            self.log.hurry()
+
+    # ----- async mode: every change reaches S3 through the ordered log ----
+
+    async def _publish(self, node: Inode, fsynced: bool = False) -> None:
+        """Append the put of the file's bytes as they are now; S3 gets them in their turn.
+
+        From here the staged file is held: a later write or truncate works on a copy.
+        """
+        assert self.log is not None
+        if not node.dirty or node.unlinked or node.staged is None:
+            return
+        if node.write_error:
+            raise _fail(node.write_error)
+        staged = node.staged
+        key = self.table.key_of(node)
+        # No object at the name before this put: a rename right after may retarget it.
+        fresh = node.etag is None and node.pending == 0 and node.read_key is None
+        rec = Record(os.path.basename(staged.path), key, True, node.size, object_metadata(node),
+                     fsynced=fsynced, part_size=self.uploader.plan.base_size)
+        generation = node.generation
+
+        def effect() -> None:
+            staged.held = True
+            node.pending += 1
+            if node.generation == generation:
+                node.dirty = False
+
+        await self.log.append(rec, self.table.path_of(node), staged=staged, owner=node,
+                              on_done=self._entry_done, fresh=fresh, effect=effect)
+
+    def _entry_done(self, entry: Entry, etag: str | None) -> None:
+        """S3 has applied a log entry about this inode (its `owner`)."""
+        node: Inode = entry.owner
+        node.pending -= 1
+        rec = entry.rec
+        renamed_since = node.unlinked or rec.key != self.table.key_of(node)
+        if rec.op == "put":
+            staged = entry.staged
+            assert staged is not None
+            staged.held = False
+            if etag and not renamed_since:
+                node.etag = etag
+            if node.staged is staged and not node.unlinked:
+                node.page_etag = etag  # the kernel's pages came from these very bytes
+                node.meta_known = True
+                if node.open_handles == 0 and not node.is_local:
+                    self._keep_local_copy(node)
+            elif node.staged is not staged:
+                staged.remove()  # an older version, or the file is gone
+            self.space_freed.set()
+            self.space_freed = trio.Event()
+        elif rec.op == "copy":
+            later = [e.rec.src for e in self.log.entries_of(node) if e.rec.op == "copy"] if self.log else []
+            node.read_key = later[0] if later else None
+            if etag and not node.unlinked:
+                if node.page_etag == node.etag:
+                    node.page_etag = etag
+                node.etag = etag
+        elif etag and not node.is_dir and not renamed_since:
+            if node.page_etag == node.etag:
+                node.page_etag = etag
+            node.etag = etag
+        node.validated_at = time.monotonic()
+
+    async def _log_entry(self, node: Inode, rec: Record, body: bytes | None = None,
+                         effect: Callable[[], None] | None = None) -> None:
+        """Append a change of `node` that is not a put (marker, symlink, metadata, rename)."""
+        assert self.log is not None
+        if body is not None:
+            rec = dataclasses.replace(rec, body=base64.b64encode(body).decode())
+
+        def counted() -> None:
+            node.pending += 1
+            if effect is not None:
+                effect()
+
+        await self.log.append(rec, self.table.path_of(node), owner=node, on_done=self._entry_done,
+                              masks=(rec.src,) if rec.src else (), effect=counted)
+
+    async def _log_metadata(self, node: Inode) -> None:
+        """chmod/chown/utime: S3 gets the new metadata after everything before it."""
+        assert self.log is not None
+        if node.ino == ROOT_INODE:
+            return
+        key = self.table.key_of(node)
+        if node.is_dir:
+            await self._log_entry(node, Record("", key, True, metadata=object_metadata(node),
+                                               op="object"), b"")
+            return
+        if node.dirty or node.writers > 0:
+            return  # still being written: the put at close carries it
+        if node.etag is None and node.pending == 0 and node.read_key is None:
+            return  # never closed: nothing in S3 to change
+        entry = self.log.latest_put(node)
+        if entry is not None and await self.log.amend_metadata(entry, object_metadata(node)):
+            return
+        await self._log_entry(node, Record("", key, True, metadata=object_metadata(node), op="meta"))
+
+    def _has_object(self, node: Inode) -> bool:
+        """S3 holds an object for the node, or will once the log is applied."""
+        return node.etag is not None or node.pending > 0 or node.read_key is not None
+
+    async def _log_unlink(self, node: Inode) -> None:
+        assert self.log is not None
+        key = self.table.key_of(node)
+
+        def effect() -> None:
+            node.dirty = False
+            self.cache.drop_key(self.table.object_key(node))
+            self.table.detach(node)
+
+        if self._has_object(node):
+            await self.log.append(Record("", key, True, op="delete"), self.table.path_of(node),
+                                  masks=(key,), effect=effect)
+        else:
+            effect()
+
+    async def _log_rename(self, src: Inode, new_parent: Inode, new_name: str, dst: Inode | None,
+                          move: Callable[[], None]) -> None:
+        """A file's rename: the put it follows is retargeted, or S3 copies and deletes in turn."""
+        assert self.log is not None
+        old_key = self.table.key_of(src)
+        new_key = self.table.key_of(new_parent) + new_name
+        new_path = (self.table.path_of(new_parent) + "/" + new_name).lstrip("/")
+        entry = self.log.latest_put(src)
+        if entry is not None and await self.log.retarget(entry, new_key, new_path, move):
+            return
+        if self._has_object(src):
+            def effect() -> None:
+                if src.read_key is None:
+                    src.read_key = old_key  # reads find the object there until the copy
+                move()
+            await self._log_entry(src, Record("", new_key, True, op="copy", src=old_key),
+                                  effect=effect)
+        elif dst is not None and self._has_object(dst):
+            # The name shows a file never closed: S3 must not keep the replaced object.
+            await self.log.append(Record("", new_key, True, op="delete"), new_path, effect=move)
+        else:
+            move()
+
+    async def _discard_torn(self, node: Inode) -> None:
+        """A writer was killed mid-write: its bytes are set aside, never published, and the
+        name shows what it showed before (the version S3 or the log has), or nothing."""
+        signal_number, path = node.torn, self.table.path_of(node)
+        async with node.upload_lock:
+            await self.uploader.abort(node.upload)
+            await self.uploader.forget_record(node.upload)
+            node.dirty = False
+            node.torn = 0
+            staged, node.staged = node.staged, None
+            kept = "nothing staged"
+            if staged is not None and not staged.held:
+                try:
+                    kept = self.staging.preserve(staged, f"{path}: writer killed by signal {signal_number}")
+                except OSError as exc:
+                    kept = f"could not keep them: {exc.strerror}"
+                    staged.remove()
+            log.warning("%s: its writer was killed by signal %d before closing it; not published "
+                        "(the bytes it had written are in %s)", path, signal_number, kept)
+            self.torn_writes.append({"path": path, "signal": signal_number, "preserved": kept})
+            parent, name = node.parent, node.name
+            previous = self.log.latest_put(node) if self.log is not None else None
+            had_object = self._has_object(node)
+            # The torn inode leaves the name: the kernel's pages of it must not be read again.
+            self.table.detach(node)
+            if had_object:
+                back = self.table.add(parent, name, node.mode, node.uid, node.gid,
+                                      mtime_ns=node.mtime_ns, ctime_ns=node.ctime_ns,
+                                      atime_ns=node.atime_ns, etag=node.etag,
+                                      read_key=node.read_key, pending=node.pending)
+                if self.log is not None:
+                    for entry in self.log.entries_of(node):
+                        entry.owner = back
+                node.pending = 0
+                if previous is not None and previous.staged is not None:
+                    back.staged = previous.staged  # still held: published in its turn
+                    back.size = previous.rec.size
+                    back.meta_known = True
+            pyfuse3.invalidate_entry_async(parent, os.fsencode(name), ignore_enoent=True)
+        self.space_freed.set()
+        self.space_freed = trio.Event()
 
     # ----- names ---------------------------------------------------------
 
@@ -340,8 +585,8 @@ class CheckpointFS(pyfuse3.Operations):
             node.ctime_ns = time.time_ns()
             await self._persist_metadata(node)
         if fields.update_size and node.writers == 0:  # truncate(2) by path: no close() will follow
-            if self.durability == "async":
-                self.queue.add(node)
+            if self.log is not None:
+                await self._publish(node)
             else:
                 await self.commit(node)
         return self._attrs(node)
@@ -352,7 +597,7 @@ class CheckpointFS(pyfuse3.Operations):
         if not node.is_symlink:
             raise _fail(errno.EINVAL)
         if node.symlink_target is None:
-            node.symlink_target = await self.s3.get_range(self.table.key_of(node), 0, node.size)
+            node.symlink_target = await self.s3.get_range(self.table.object_key(node), 0, node.size)
         return node.symlink_target
 
     async def _make_entry(self, parent_inode: int, name: bytes, mode: int,
@@ -369,7 +614,12 @@ class CheckpointFS(pyfuse3.Operations):
         if node.is_symlink:
             node.symlink_target, node.size = body, len(body)
         try:
-            etag = await self.s3.put(self.table.key_of(node), body, object_metadata(node))
+            if self.log is not None:
+                etag = None
+                await self._log_entry(node, Record("", self.table.key_of(node), True,
+                                                   metadata=object_metadata(node), op="object"), body)
+            else:
+                etag = await self.s3.put(self.table.key_of(node), body, object_metadata(node))
         except BaseException:
             self.table.detach(node)
             raise
@@ -394,7 +644,11 @@ class CheckpointFS(pyfuse3.Operations):
     async def _dir_is_empty(self, node: Inode) -> bool:
         if any(not c.unlinked and c.is_local for c in self.table.children(node.ino)):
             return False
-        return not await self.s3.has_children(self.table.key_of(node))
+        key = self.table.key_of(node)
+        if self.log is None or not len(self.log):
+            return not await self.s3.has_children(key)
+        # S3 may still hold objects the mount removed (deletes waiting their turn).
+        return all(o.key == key or self.log.masked(o.key) for o in await self.s3.list_keys(key))
 
     @_guarded
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -406,10 +660,20 @@ class CheckpointFS(pyfuse3.Operations):
             raise _fail(errno.ENOTDIR)
         if not await self._dir_is_empty(node):
             raise _fail(errno.ENOTEMPTY)
-        await self.s3.delete(self.table.key_of(node))
-        self.table.detach(node)
-        self.ns.invalidate_listing(node.ino)
-        parent.touch()
+        key = self.table.key_of(node)
+
+        def effect() -> None:
+            self.table.detach(node)
+            self.ns.invalidate_listing(node.ino)
+            parent.touch()
+
+        if self.log is not None:
+            # Masks the whole prefix: S3 lists what is under it until the delete's turn.
+            await self.log.append(Record("", key, True, op="delete"), self.table.path_of(node),
+                                  masks=(key,), effect=effect)
+            return
+        await self.s3.delete(key)
+        effect()
 
     @_guarded
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -421,14 +685,18 @@ class CheckpointFS(pyfuse3.Operations):
             raise _fail(errno.EISDIR)
         async with node.upload_lock:
             await self.uploader.abort(node.upload)
-            if node.etag is not None:
-                await self.s3.delete(self.table.key_of(node))
-            node.dirty = False
+            if self.log is not None:
+                await self._log_unlink(node)
+            else:
+                if node.etag is not None:
+                    await self.s3.delete(self.table.key_of(node))
+                node.dirty = False
+                self.cache.drop_key(self.table.key_of(node))
+                self.table.detach(node)
             await self.uploader.forget_record(node.upload)
-            self.cache.drop_key(self.table.key_of(node))
-            self.table.detach(node)
         if node.open_handles == 0 and node.staged is not None:
-            node.staged.remove()
+            if not node.staged.held:
+                node.staged.remove()
             node.staged = None
         parent.touch()
 
@@ -455,6 +723,15 @@ class CheckpointFS(pyfuse3.Operations):
                 raise _fail(errno.ENOTEMPTY)
         if src.is_dir and self.table.is_ancestor(src, new_parent):
             raise _fail(errno.EINVAL)
+        if self.log is not None:
+            if not src.is_dir:
+                def move() -> None:
+                    self._renamed(src, old_parent, new_parent, new_name, dst)
+                await self._log_rename(src, new_parent, new_name, dst, move)
+                return
+            # A directory's rename is a copy of everything under it, which the log does not
+            # order: once S3 has every earlier change, it runs as in close mode.
+            await self.log.settle(self.uploader.upload_timeout)
         new_key = self.table.key_of(new_parent) + new_name
         if dst is not None and dst.is_dir:
             # Before the move, not after: the empty target's marker is the key the moved
@@ -466,17 +743,24 @@ class CheckpointFS(pyfuse3.Operations):
             await self._rename_object(src, new_key, dst)
         if dst is not None:
             await self.uploader.forget_record(dst.upload)
+        self._renamed(src, old_parent, new_parent, new_name, dst)
+        await self._rejournal(src)
+
+    def _renamed(self, src: Inode, old_parent: Inode, new_parent: Inode, new_name: str,
+                 dst: Inode | None) -> None:
+        """The mount's side of a rename: `src` takes the name, a replaced `dst` is gone."""
+        if dst is not None:
             dst.dirty = False
             self.table.detach(dst)
             if dst.open_handles == 0 and dst.staged is not None:
-                dst.staged.remove()
+                if not dst.staged.held:
+                    dst.staged.remove()
                 dst.staged = None
         self.table.move(src, new_parent.ino, new_name)
         self.ns.forget_absent(new_parent.ino, new_name)
         src.ctime_ns = time.time_ns()
         old_parent.touch()
         new_parent.touch()
-        await self._rejournal(src)
 
     async def _rejournal(self, node: Inode) -> None:
         """Closed files not yet in S3 under a renamed name: their records must name the new key."""
@@ -626,7 +910,7 @@ class CheckpointFS(pyfuse3.Operations):
             self._changed(node)
             parent.touch()
         node.lookups += 1
-        fh = self._new_fh(Handle(node, writable=True))
+        fh = self._new_fh(Handle(node, writable=True, opener=opener_of(ctx.pid)))
         return pyfuse3.FileInfo(fh=fh), self._attrs(node)
 
     @_guarded
@@ -655,7 +939,9 @@ class CheckpointFS(pyfuse3.Operations):
         # The kernel's page cache stays valid while the object is the version it cached.
         keep_cache = node.is_local or node.page_etag == node.etag
         node.page_etag = node.etag
-        return pyfuse3.FileInfo(fh=self._new_fh(Handle(node, writable)), keep_cache=keep_cache)
+        opener = opener_of(ctx.pid) if writable else None
+        return pyfuse3.FileInfo(fh=self._new_fh(Handle(node, writable, opener=opener)),
+                                keep_cache=keep_cache)
 
     @_guarded
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -668,8 +954,8 @@ class CheckpointFS(pyfuse3.Operations):
         if node.etag is None or off >= node.size:
             return b""
         try:
-            return await self.reader.read(self.table.key_of(node), node.etag, node.size, off, size,
-                                          handle.stream)
+            return await self.reader.read(self.table.object_key(node), node.etag, node.size, off,
+                                          size, handle.stream)
         except NoSuchKey:  # not ENOENT: read(2) of an open file has no such meaning
             log.warning("read of %s: the object was deleted from S3 while open here",
                         self.table.path_of(node))
@@ -707,6 +993,9 @@ class CheckpointFS(pyfuse3.Operations):
         done = 0
         waited_until = trio.current_time() + self.space_wait
         while done < len(buf):
+            if node.staged.held:  # a pending log entry publishes these bytes: write a copy
+                await self._unshare(node, keep_bytes=True)
+                continue
             try:
                 done += node.staged.pwrite(buf[done:] if done else buf, off + done)
                 continue
@@ -728,13 +1017,10 @@ class CheckpointFS(pyfuse3.Operations):
 
     def _uploads_could_free(self, writer: Inode) -> bool:
         """Some other closed file is on its way to S3; its staged copy can go after that."""
+        if self.log is not None:
+            return self.log.pending_bytes() > 0
         return any(i is not writer and i.dirty and i.writers == 0 and i.staged is not None
                    and not i.unlinked for i in self.table.all())
-
-    async def _journal_closed(self, node: Inode, fsynced: bool = False) -> None:
-        if node.dirty and not node.unlinked and node.staged is not None:
-            await self.uploader.journal_closed(node.upload, self.table.key_of(node), node.size,
-                                               object_metadata(node), fsynced)
 
     @_guarded
     async def flush(self, fh: int) -> None:
@@ -744,10 +1030,16 @@ class CheckpointFS(pyfuse3.Operations):
         node = handle.inode
         if node.write_error:
             raise _fail(node.write_error)
-        if self.durability == "async":
-            # Staged on local disk and journaled; S3 follows in the background.
-            await self._journal_closed(node)
-            self.queue.add(node)
+        if handle.opener is not None and node.dirty:
+            signal_number = killing_signal(handle.opener)
+            if signal_number:
+                # The kernel closes a dying writer's files: that is no close() of its own.
+                node.torn = signal_number
+                return
+            node.torn = 0
+        if self.log is not None:
+            # Staged on local disk and journaled in order; S3 follows in the background.
+            await self._publish(node)
         else:
             await self._commit_or_queue(node)
 
@@ -756,11 +1048,11 @@ class CheckpointFS(pyfuse3.Operations):
         node = self._file_handle(fh).inode
         if node.write_error:
             raise _fail(node.write_error)
-        if self.durability == "async":
+        if self.log is not None:
             if node.staged is not None:
                 await trio.to_thread.run_sync(os.fsync, node.staged.fd)
-                await self._journal_closed(node, fsynced=True)
-            self.queue.add(node)
+                node.torn = 0
+                await self._publish(node, fsynced=True)
         else:
             await self._commit_or_queue(node)
 
@@ -778,14 +1070,18 @@ class CheckpointFS(pyfuse3.Operations):
         if node.unlinked:
             await self.uploader.abort(node.upload)
             if node.staged is not None:
-                node.staged.remove()
+                if not node.staged.held:
+                    node.staged.remove()
                 node.staged = None
+        elif node.torn and node.dirty:
+            await self._discard_torn(node)
         elif node.write_error:
             await self._discard_failed_write(node)
         elif node.staged is not None and not node.is_local:
             self._keep_local_copy(node)
-        elif node.staged is not None and node.dirty:
-            # The upload failed (flush reported EIO); keep every byte for a later retry.
+        elif node.staged is not None:
+            # Still to reach S3 (a failed close-mode upload, or waiting in the log): keep
+            # every byte; only the descriptor goes.
             node.staged.close()
         self.table.forget(node.ino, 0)
 
@@ -843,3 +1139,4 @@ class CheckpointFS(pyfuse3.Operations):
         out.f_favail = 1 << 32
         out.f_namemax = NAME_MAX
         return out
+

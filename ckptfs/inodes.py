@@ -47,6 +47,10 @@ class Inode:
     writers: int = 0
     unlinked: bool = False
     write_error: int = 0  # errno of a failed write: the file must not be uploaded
+    torn: int = 0  # signal that killed a writer at its close: the bytes must never be published
+    pending: int = 0  # entries of the ordered log about this inode that S3 has not applied
+    # While a rename is pending in the log, S3 still holds the object under its old key.
+    read_key: str | None = None
     validated_at: float = 0.0  # time.monotonic() of the last S3 confirmation
     upload_lock: trio.Lock = field(default_factory=trio.Lock)
     upload: FileUpload = field(default_factory=FileUpload)  # streamed parts of the staged bytes
@@ -62,7 +66,8 @@ class Inode:
     @property
     def is_local(self) -> bool:
         """The mount's own state is authoritative: S3 must not overrule it."""
-        return self.dirty or self.writers > 0 or (self.staged is not None and self.etag is None)
+        return (self.dirty or self.writers > 0 or self.pending > 0
+                or (self.staged is not None and self.etag is None))
 
     def touch(self) -> None:
         self.ctime_ns = self.mtime_ns = time.time_ns()
@@ -151,7 +156,8 @@ class InodeTable:
             return
         if inode.unlinked:
             if inode.staged is not None:
-                inode.staged.remove()
+                if not inode.staged.held:  # else the log removes it once published
+                    inode.staged.remove()
                 inode.staged = None
         elif inode.is_local or self._children.get(inode.ino):
             return  # still named, and the only record of a local change or of children
@@ -171,6 +177,10 @@ class InodeTable:
             names.append(node.name)
             node = self._by_ino[node.parent]
         return "/".join(reversed(names))
+
+    def object_key(self, inode: Inode) -> str:
+        """Where S3 holds the file's object now (its old name while a rename is pending)."""
+        return inode.read_key or self.key_of(inode)
 
     def key_of(self, inode: Inode) -> str:
         """The S3 key: the object's key for a file, the 'dir/' marker key for a directory."""

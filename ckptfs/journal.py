@@ -26,6 +26,7 @@ from ckptfs.parts import MAX_PART_SIZE, MIN_PART_SIZE
 log = logging.getLogger(__name__)
 
 VERSION = 1
+OPS = ("put", "object", "delete", "copy", "meta")
 
 
 class BadRecord(Exception):
@@ -52,6 +53,17 @@ class Record:
     parts: tuple[PartDone, ...] = ()
     fsynced: bool = False  # the staged bytes were fsynced after their last change
     part_size: int = 0  # the first part's size: parts already in S3 follow this plan
+    # The ordered log (async mode): seq > 0 places the record in the sequence S3 must see.
+    seq: int = 0
+    op: str = "put"  # put (staged bytes), object (inline body), delete, copy (src -> key), meta
+    src: str | None = None  # copy: the key the object moves from (deleted after the copy)
+    body: str | None = None  # object: the body, base64
+    # A CreateMultipartUpload was about to be sent at this wall-clock time (before its id
+    # was known): recovery aborts uploads of `key` started since then that nobody owns.
+    intent: float = 0.0
+    # An upload this record replaced (a put retargeted by a rename) that may still be open.
+    orphan_key: str | None = None
+    orphan_id: str | None = None
 
     def encode(self) -> bytes:
         body = asdict(self)
@@ -76,6 +88,7 @@ class Record:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BadRecord(f"unreadable record: {exc}") from None
         if (rec.size < 0 or not rec.key or not rec.name or os.path.basename(rec.name) != rec.name
+                or rec.op not in OPS or rec.seq < 0 or (rec.op == "copy" and not rec.src)
                 or not (rec.part_size == 0 or MIN_PART_SIZE <= rec.part_size <= MAX_PART_SIZE)
                 or any(not 0 <= p.start < p.end <= rec.size for p in rec.parts)):
             raise BadRecord("inconsistent record")

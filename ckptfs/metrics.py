@@ -44,7 +44,7 @@ class Stats:
             self._samples.popleft()
         t0, b0 = self._samples[0]
         rate = (up.bytes_uploaded - b0) / (now - t0) if now > t0 else 0.0
-        pending = [{"path": p, "size": size, "error": err} for p, size, err in fs.queue.pending()]
+        pending = [{"path": p, "size": size, "error": err} for p, size, err in fs.pending()]
         self.snapshot = {
             **self.extra,
             "durability": fs.durability, "draining": fs.draining, "spot_notice": fs.spot_notice,
@@ -59,6 +59,7 @@ class Stats:
             "chunk_cache_misses": rd.misses, "chunk_disk_hits": rd.disk_hits, "local_read_bytes": fs.local_read_bytes,
             "cache_bytes": fs.cache.total, "cache_budget": fs.cache.budget,
             "journal_writes": up.journal.writes if up.journal else 0,
+            "torn_writes": list(fs.torn_writes),
             "latency_counts": list(up.latency_counts), "latency_sum": up.latency_sum,
         }
         return self.snapshot

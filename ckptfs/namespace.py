@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import stat
 import time
+from collections.abc import Callable
 
 import cachetools
 import trio
@@ -51,8 +52,12 @@ def _parse_mtime(text: str | None, default_ns: int) -> int:
 
 
 class Namespace:
-    def __init__(self, s3: S3Client, table: InodeTable, uid: int, gid: int, ttl: float) -> None:
+    def __init__(self, s3: S3Client, table: InodeTable, uid: int, gid: int, ttl: float,
+                 masked: Callable[[str], bool] | None = None) -> None:
         self.s3 = s3
+        # Keys (and "dir/" prefixes) S3 still shows but the mount removed: deletes and renames
+        # waiting their turn in the ordered log. They never come back from S3.
+        self.masked: Callable[[str], bool] = masked or (lambda key: False)
         self.table = table
         self.uid = uid
         self.gid = gid
@@ -135,6 +140,11 @@ class Namespace:
             return child  # the listing just taken answered for every name in it
         if child is None and (parent.ino, name) in self._absent:
             return None
+        key = self.table.key_of(parent) + name
+        if self.masked(key) and self.masked(key + "/"):
+            if child is not None:
+                self.table.detach(child)
+            return None
         if child is not None and not child.is_local and parent.ino in self._listed:
             # A stale entry of a directory that was listed: `ls -l` stats every entry after
             # its listing, by then past the TTL on a slow server. One LIST page from here
@@ -142,7 +152,6 @@ class Namespace:
             found, current = await self._recheck_by_listing(parent, name)
             if found:
                 return current
-        key = self.table.key_of(parent) + name
         head: list[ObjectInfo | None] = [None]
         listing: list[ListPage] = []
 
@@ -167,7 +176,7 @@ class Namespace:
             if child is not None and child.is_local:
                 return child
         page = listing[0]
-        if page.objects or page.prefixes:
+        if (page.objects or page.prefixes) and not self.masked(key + "/"):
             if child is not None and child.is_dir:
                 child.validated_at = time.monotonic()
                 return child
@@ -176,6 +185,8 @@ class Namespace:
                 await self._load_dir_meta(inode, key + "/")
             return inode
         info = head[0]
+        if info is not None and self.masked(key):
+            info = None
         if info is None:
             if child is not None:
                 self.table.detach(child)
@@ -225,10 +236,11 @@ class Namespace:
         seen: dict[str, ObjectInfo | None] = {}  # name -> object, None for a directory
         last = b""
         for prefix in page.prefixes:
-            seen[prefix[len(dir_key):-1]] = None
+            if not self.masked(prefix):
+                seen[prefix[len(dir_key):-1]] = None
             last = max(last, _sort_key(prefix))
         for obj in page.objects:
-            if obj.key[len(dir_key):]:
+            if obj.key[len(dir_key):] and not self.masked(obj.key):
                 seen.setdefault(obj.key[len(dir_key):], obj)  # a directory wins, as in list_dir
             last = max(last, _sort_key(obj.key))
         for other, info in seen.items():
@@ -278,14 +290,16 @@ class Namespace:
         async for page in self.s3.list_pages(dir_key):
             for prefix in page.prefixes:
                 name = prefix[len(dir_key):-1]
+                if self.masked(prefix):
+                    continue
                 if valid_name(name):
                     dirs.add(name)
                 else:
                     self._warn_once(prefix, "not a valid file name")
             for obj in page.objects:
                 name = obj.key[len(dir_key):]
-                if name == "":
-                    continue  # the directory's own marker
+                if name == "" or self.masked(obj.key):
+                    continue  # the directory's own marker, or removed here and not yet in S3
                 if valid_name(name):
                     files[name] = obj
                 else:

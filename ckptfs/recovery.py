@@ -25,6 +25,7 @@ import trio
 from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import NoSuchKey, S3Error, UploadError
 from ckptfs.journal import Journal, Record
+from ckptfs.oplog import apply_op
 from ckptfs.parts import PartPlan
 from ckptfs.s3 import S3Client
 from ckptfs.uploader import FileUpload, PartRecord, Uploader, _without_mtime
@@ -32,6 +33,7 @@ from ckptfs.uploader import FileUpload, PartRecord, Uploader, _without_mtime
 log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20
+_CLOCK_SKEW = 60.0  # seconds the S3 server's clock may be behind this host's
 
 
 @dataclass
@@ -42,10 +44,14 @@ class RecoveryReport:
     set_aside: list[tuple[str, str]] = field(default_factory=list)  # (record or key, reason)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (key, reason): still journaled
     orphans_aborted: int = 0
+    replayed: int = 0  # entries of the ordered log applied, in order
+    intents_aborted: int = 0  # uploads created just before a crash, before their id was journaled
+    last_seq: int = 0  # the highest sequence number found in the log
 
     def as_dict(self) -> dict:
         return {"delivered": len(self.delivered), "already_in_s3": len(self.already_in_s3),
                 "aborted_unclosed": self.aborted, "orphans_aborted": self.orphans_aborted,
+                "replayed": self.replayed, "intents_aborted": self.intents_aborted,
                 "set_aside": [list(x) for x in self.set_aside],
                 "failed": [list(x) for x in self.failed]}
 
@@ -79,21 +85,82 @@ class Recovery:
             log.error("journal record %s cannot be trusted (%s); it and its staged file are kept in %s",
                       name, reason, self.preserved_dir)
             self._set_aside(name, reason)
+        owned = {rec.upload_id for rec in records if rec.upload_id}
+        # Uploads created just before the crash, before a record could name them: first, so
+        # nothing below can be mistaken for one.
+        await self._abort_intents(records, owned)
+        ordered = sorted((r for r in records if r.seq > 0), key=lambda r: r.seq)
+        self.report.last_seq = max((r.seq for r in ordered), default=0)
         # Open records first: their aborts never race a delivery to the same key.
-        for rec in sorted(records, key=lambda r: r.closed):
+        for rec in sorted((r for r in records if r.seq == 0), key=lambda r: r.closed):
             if rec.closed:
                 await self._deliver(rec)
             else:
                 await self._abort(rec)
-        owned = {rec.upload_id for rec in records if rec.upload_id}
+        await self._replay(ordered)
         await self._sweep_orphans(prefix, stale_after, owned)
         r = self.report
-        if records or bad or r.orphans_aborted:
-            log.info("recovery: %d delivered, %d already in S3, %d unclosed uploads aborted, "
-                     "%d set aside, %d failed, %d stale uploads aborted", len(r.delivered),
-                     len(r.already_in_s3), r.aborted, len(r.set_aside), len(r.failed),
-                     r.orphans_aborted)
+        if records or bad or r.orphans_aborted or r.intents_aborted:
+            log.info("recovery: %d delivered, %d already in S3, %d log entries applied in order, "
+                     "%d unclosed uploads aborted, %d set aside, %d failed, %d stale uploads "
+                     "aborted, %d uploads of a crash at create aborted", len(r.delivered),
+                     len(r.already_in_s3), r.replayed, r.aborted, len(r.set_aside), len(r.failed),
+                     r.orphans_aborted, r.intents_aborted)
         return r
+
+    async def _replay(self, ordered: list[Record]) -> None:
+        """Apply the ordered log's entries one by one, in their order; stop at the first that
+        fails (nothing after it may reach S3 before it does)."""
+        for rec in ordered:
+            if rec.op == "put":
+                if not await self._deliver(rec):
+                    if self.report.failed:
+                        return
+                    continue  # set aside: its bytes are gone, and nothing can bring them back
+            else:
+                try:
+                    await apply_op(self.s3, rec, lambda what, call: self.uploader.retrying(
+                        what, self.uploader.deadline(), call))
+                except S3Error as exc:
+                    log.error("could not apply %s of %s from the log: %s", rec.op, rec.key, exc)
+                    self.report.failed.append((rec.key, str(exc)))
+                    return
+                await trio.to_thread.run_sync(self.journal.remove, rec.name)
+            self.report.replayed += 1
+            if rec.orphan_key and rec.orphan_id:
+                await self._abort_quietly(rec.orphan_key, rec.orphan_id)
+
+    async def _abort_quietly(self, key: str, upload_id: str) -> None:
+        try:
+            await self.s3.abort_multipart(key, upload_id)
+        except NoSuchKey:
+            pass
+        except S3Error as exc:
+            log.warning("could not abort the upload of %s: %s", key, exc)
+
+    async def _abort_intents(self, records: list[Record], owned: set[str]) -> None:
+        """Abort uploads of a key that a record meant to create (`intent`) and that no record
+        names: started at most a minute (clock skew) before the intent, on that very key."""
+        since: dict[str, float] = {}
+        for rec in records:
+            if not rec.intent:
+                continue
+            for key in (rec.key, rec.orphan_key):
+                if key:
+                    since[key] = min(since.get(key, rec.intent), rec.intent)
+        for key, intent in since.items():
+            try:
+                uploads = await self.s3.list_uploads(key)
+            except S3Error as exc:
+                log.warning("could not list the uploads of %s: %s", key, exc)
+                continue
+            for upload_key, upload_id, initiated in uploads:
+                if upload_key != key or upload_id in owned or initiated < intent - _CLOCK_SKEW:
+                    continue
+                await self._abort_quietly(key, upload_id)
+                self.report.intents_aborted += 1
+                log.info("aborted the upload of %s that a crash left before its id was journaled",
+                         key)
 
     def _set_aside(self, name: str, reason: str) -> None:
         self.journal.set_aside(name, self.preserved_dir)
@@ -115,28 +182,30 @@ class Recovery:
                 return  # the record keeps owning it; the next mount tries again
         await trio.to_thread.run_sync(self.journal.remove, rec.name)
 
-    async def _deliver(self, rec: Record) -> None:
+    async def _deliver(self, rec: Record) -> bool:
+        """True once the record's bytes are the object under its key; False if they were set
+        aside (torn or missing) or could not be delivered (in `report.failed`)."""
         path = os.path.join(self.staging_dir, rec.name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             log.error("journaled %s has lost its staged file %s; nothing to upload", rec.key, path)
             self._set_aside(rec.name, f"{rec.key}: staged file missing")
-            return
+            return False
         try:
             size = os.fstat(fd).st_size
             if size != rec.size:
                 reason = f"{rec.key}: staged file has {size} bytes, the journal says {rec.size}"
                 log.error("%s; set aside, not uploaded", reason)
                 self._set_aside(rec.name, reason)
-                return
+                return False
             for part in rec.parts:
                 crc, _ = await trio.to_thread.run_sync(_digest, fd, part.start, part.end)
                 if crc != part.crc:
                     reason = f"{rec.key}: staged bytes {part.start}-{part.end} changed since journaled"
                     log.error("%s; set aside, not uploaded", reason)
                     self._set_aside(rec.name, reason)
-                    return
+                    return False
             plan = self.uploader.plan
             if rec.part_size and rec.part_size != plan.base_size:
                 plan = PartPlan(rec.part_size)  # the earlier mount's part sizes
@@ -145,7 +214,7 @@ class Recovery:
                 if await self._already_in_s3(rec, fd):
                     self.report.already_in_s3.append(rec.key)
                     await self._done(rec, path)
-                    return
+                    return True
         finally:
             os.close(fd)
         up.record_clock = up.clock  # the record describes these bytes
@@ -154,10 +223,11 @@ class Recovery:
         except UploadError as exc:
             log.error("could not deliver journaled %s: %s", rec.key, exc)
             self.report.failed.append((rec.key, str(exc)))
-            return
+            return False
         log.info("recovered %s (%d bytes) from the journal", rec.key, rec.size)
         self.report.delivered.append(rec.key)
         await self._done(rec, path)
+        return True
 
     async def _done(self, rec: Record, path: str) -> None:
         await trio.to_thread.run_sync(self.journal.remove, rec.name)

@@ -24,6 +24,9 @@ class StagedFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # An entry of the ordered log publishes these bytes: they must not change until it is
+        # applied (a writer gets a copy instead), nor be removed by anyone but the log.
+        self.held = False
 
     @property
     def fd(self) -> int:
@@ -54,6 +57,21 @@ class StagedFile:
             pass
 
 
+def copy_file(src_path: str, dst_fd: int, size: int) -> None:
+    """Copy the first `size` bytes of a file into `dst_fd` in the kernel (copy_file_range:
+    a reflink where the file system has them); call from a worker thread."""
+    src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < size:
+            n = os.copy_file_range(src, dst_fd, size - done, done, done)
+            if n == 0:
+                raise OSError(f"{src_path} is shorter than {size} bytes")
+            done += n
+    finally:
+        os.close(src)
+
+
 class StagingArea:
     """The staging directory under the cache dir, and the files in it."""
 
@@ -66,6 +84,7 @@ class StagingArea:
         # Where files of an earlier run that cannot be delivered are kept for the operator.
         self.preserved_dir = os.path.join(cache_dir, "preserved", time.strftime("%Y%m%dT%H%M%S"))
         self.preserved: str | None = None
+        self.preserved_files: list[tuple[str, str]] = []  # (path, why) set aside by this daemon
 
     def preserve_leftovers(self, keep: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         """Move staged files of an earlier daemon that no journal record claims aside, never
@@ -79,6 +98,17 @@ class StagingArea:
         log.warning("moved %d staged files of an earlier run (never closed) to %s",
                     len(leftovers), self.preserved_dir)
         self.preserved = self.preserved_dir
+
+    def preserve(self, staged: StagedFile, why: str) -> str:
+        """Move a staged file that must never be published (a killed writer's torn bytes)
+        to the preserved dir, for the operator; returns its new path."""
+        staged.close()
+        os.makedirs(self.preserved_dir, mode=0o700, exist_ok=True)
+        dest = os.path.join(self.preserved_dir, os.path.basename(staged.path))
+        os.rename(staged.path, dest)
+        self.preserved = self.preserved_dir
+        self.preserved_files.append((dest, why))
+        return dest
 
     def new_file(self) -> StagedFile:
         # The start time keeps names unique across daemons, whatever pids the kernel hands out.

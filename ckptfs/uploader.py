@@ -25,6 +25,7 @@ import io
 import logging
 import os
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -201,10 +202,26 @@ class Uploader:
         clock = up.clock
         parts = tuple(PartDone(n, p.start, p.end, p.etag, p.crc) for n, p in sorted(up.parts.items())
                       if p.generation >= up.touched.get(n, 0) and p.end <= size)
+        intent = up.record.intent if up.record is not None and up.record.key == key else 0.0
         await self._save(up, Record(up.journal_name, key, True, size, dict(metadata),
                                     up.upload_id if up.key == key else None, parts, fsynced,
-                                    (up.plan or self.plan).base_size))
+                                    (up.plan or self.plan).base_size, intent=intent))
         up.record_clock = clock
+
+    async def _journal_intent(self, up: FileUpload, key: str) -> None:
+        """Before CreateMultipartUpload: a crash before its id is journaled must not leave an
+        upload nobody owns. Recovery aborts uploads of `key` started since `intent` that no
+        record names (and only those: never another key's, nor an older one)."""
+        rec = up.record
+        # The earliest intent covers every attempt (a retry creates another upload).
+        since = rec.intent if rec is not None and rec.intent and rec.key == key else time.time()
+        try:
+            if rec is not None and rec.closed and rec.key == key:
+                await self._save(up, dataclasses.replace(rec, intent=since))
+            else:
+                await self._save(up, Record(up.journal_name or "", key, False, intent=since))
+        except OSError as exc:
+            log.warning("could not journal the intent to upload %s (%s); going on", key, exc)
 
     async def journal_changing(self, up: FileUpload) -> None:
         """The staged bytes are about to change: a closed record no longer describes them."""
@@ -297,8 +314,14 @@ class Uploader:
                 up.touched[n] = up.clock
 
     async def finish(self, up: FileUpload, path: str, key: str, size: int,
-                     metadata: dict[str, str]) -> UploadResult:
-        """Upload what is missing and complete; returns once the object is complete and verified."""
+                     metadata: dict[str, str],
+                     before_visible: Callable[[], Awaitable[None]] | None = None) -> UploadResult:
+        """Upload what is missing and complete; returns once the object is complete and verified.
+
+        `before_visible` is awaited right before the request that makes the object appear
+        (the PUT, or CompleteMultipartUpload once every part is in): the ordered log holds
+        it there until the object's turn. Parts go up before that, in parallel.
+        """
         self._begin()
         deadline = self.deadline()
         started = trio.current_time()
@@ -309,9 +332,12 @@ class Uploader:
             fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 if size <= (up.plan or self.plan).base_size and up.upload_id is None:
+                    if before_visible is not None:
+                        await before_visible()
                     result = await self._put(fd, key, size, metadata, deadline)
                 else:
-                    result = await self._complete(up, fd, key, size, metadata, deadline)
+                    result = await self._complete(up, fd, key, size, metadata, deadline,
+                                                  before_visible)
             finally:
                 os.close(fd)
             self._observe(trio.current_time() - started)
@@ -381,6 +407,7 @@ class Uploader:
                 # No mtime: it is not known while the file is still written, and an object
                 # without one shows its LastModified (the completion time) instead.
                 meta = _without_mtime(metadata)
+                await self._journal_intent(up, key)
                 upload_id = await self.retrying(f"CreateMultipartUpload {key}", deadline,
                                                 lambda: self.s3.create_multipart(key, meta))
                 up.metadata, up.upload_id, up.key = meta, upload_id, key
@@ -447,7 +474,8 @@ class Uploader:
             self._end()
 
     async def _complete(self, up: FileUpload, fd: int, key: str, size: int,
-                        metadata: dict[str, str], deadline: float) -> UploadResult:
+                        metadata: dict[str, str], deadline: float,
+                        before_visible: Callable[[], Awaitable[None]] | None = None) -> UploadResult:
         upload_id = await self._ensure_created(up, key, metadata, deadline)
         ranges = (up.plan or self.plan).ranges(size)
         for _ in range(3):  # a part rewritten while it was sent is sent again
@@ -465,6 +493,11 @@ class Uploader:
             {"ETag": rec.etag, "PartNumber": r.number, "ChecksumCRC32": b64_crc32(rec.crc)}
             for rec, r in zip(records, ranges)]
         crc = crc32_of_parts([(rec.crc, r.size) for rec, r in zip(records, ranges)])
+        if before_visible is not None:
+            await before_visible()
+            # The wait may be long (earlier entries of the log): a deadline that passed
+            # meanwhile must not fail a completion that has not even been tried.
+            deadline = max(deadline, self.deadline())
 
         async def complete() -> str:
             try:

@@ -1,0 +1,384 @@
+"""The ordered log (async mode): every change S3 must see, in the order the application made it.
+
+S3 at any instant holds the mount as it was at some earlier instant: a prefix of its
+history. Each change that alters what S3 shows (a closed file's object, a delete, a
+directory marker, a rename's copy-and-delete, new metadata) becomes an Entry with a
+sequence number. Its journal record (journal.py, `seq` > 0) is written and fsynced
+before the call that made it returns, and appends are serialised, so the records on
+disk are always a contiguous run of the sequence.
+
+Every entry runs as its own task. A put's parts upload at once, in parallel with every
+other file's; only the request that makes a change visible (PutObject,
+CompleteMultipartUpload, DELETE, COPY) waits for its turn: all earlier entries applied.
+An entry's record is removed before the next entry's turn comes, so after a crash the
+records left are exactly the changes S3 may not have, in order (recovery.py replays them
+before the mount reports ready). An entry that fails is retried with backoff; nothing
+after it becomes visible before it does.
+
+Until its entry is applied S3 still shows what a delete or a rename removed: those keys
+(and, for rmdir, whole prefixes) are masked, so lookups and listings never bring them back.
+
+Two rewrites keep the sequence while saving S3 work; each applies only to the last entry
+and only before its visible request was sent, so S3 still steps from one state of the
+history to a later one:
+- a rename of a file whose put is that entry, and whose name had no object before the put
+  (torch.save to `x.tmp`, then os.replace onto `x`): the put is retargeted to the new name;
+- new metadata (chmod, utime) for the file of that entry: the entry carries it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+from ckptfs.errors import NoSuchKey, S3Error
+from ckptfs.journal import Journal, Record
+from ckptfs.parts import PartPlan
+from ckptfs.s3 import S3Client
+from ckptfs.staging import StagedFile
+from ckptfs.uploader import FileUpload, Uploader
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_BACKOFF_MAX = 30.0
+
+
+@dataclass(eq=False)
+class Entry:
+    rec: Record
+    path: str  # the path in the mount, for messages and `ckptfs sync PATH`
+    staged: StagedFile | None = None  # put: its bytes, held (never changed) until applied
+    owner: Any = None  # what the caller needs back in on_done (the inode)
+    on_done: Callable[[Entry, str | None], None] | None = None  # with the new ETag, if any
+    fresh: bool = False  # put: its name had no object before it (it may be retargeted)
+    metadata: dict[str, str] | None = None  # put: the dict its upload reads (amendable)
+    up: FileUpload | None = None
+    attempts: int = 0
+    error: str | None = None
+    visible: bool = False  # its visible request was sent: it can no longer be rewritten
+    scope: trio.CancelScope | None = None
+
+    @property
+    def seq(self) -> int:
+        return self.rec.seq
+
+    @property
+    def size(self) -> int:
+        return self.rec.size if self.rec.op == "put" else 0
+
+
+async def apply_op(s3: S3Client, rec: Record,
+                   retrying: Callable[[str, Callable[[], Awaitable[T]]], Awaitable[T]]) -> str | None:
+    """The S3 requests of an entry that is not a put; the new ETag, if the entry made one.
+
+    Each is safe to repeat: recovery replays the entry whose record a crash left behind.
+    """
+    if rec.op == "delete":
+        await retrying(f"DELETE {rec.key}", lambda: s3.delete(rec.key))
+        return None
+    if rec.op == "object":
+        body = base64.b64decode(rec.body or "")
+        return await retrying(f"PUT {rec.key}", lambda: s3.put(rec.key, body, rec.metadata))
+    if rec.op == "meta":
+        try:
+            size = (await retrying(f"HEAD {rec.key}", lambda: s3.head(rec.key))).size
+            return await retrying(f"COPY {rec.key} (metadata)",
+                                  lambda: s3.copy(rec.key, rec.key, size, rec.metadata))
+        except NoSuchKey:
+            log.warning("new metadata for %s: the object is gone from S3", rec.key)
+            return None
+    if rec.op == "copy":
+        assert rec.src is not None
+        src = rec.src
+        etag: str | None = None
+        try:
+            # The size the object has now, in its turn (objects over 5 GiB copy in parts).
+            size = (await retrying(f"HEAD {src}", lambda: s3.head(src))).size
+            etag = await retrying(f"COPY {src} to {rec.key}", lambda: s3.copy(src, rec.key, size))
+        except NoSuchKey:
+            # Replayed after a crash between its copy and its delete: the copy is in place.
+            log.info("rename of %s to %s: the source is gone, the copy was made before", src, rec.key)
+        await retrying(f"DELETE {src}", lambda: s3.delete(src))
+        return etag
+    raise ValueError(f"not an S3 change: {rec.op}")
+
+
+class OrderedLog:
+    def __init__(self, journal: Journal | None, uploader: Uploader, s3: S3Client) -> None:
+        self.journal = journal
+        self.uploader = uploader
+        self.s3 = s3
+        self.nursery: trio.Nursery | None = None  # set by the daemon: runs the entries
+        self._entries: dict[int, Entry] = {}  # not yet applied, in sequence order
+        self._next_seq = 1
+        self._append_lock = trio.Lock()
+        self._changed = trio.Event()
+        self._hurry = trio.Event()
+        self._exact: dict[str, int] = {}  # key S3 still has but the mount removed -> its entry
+        self._prefixes: dict[str, int] = {}  # "dir/" removed with everything under it -> entry
+        self.applied = 0
+        self.appended = 0
+
+    # ----- appending -----------------------------------------------------
+
+    def continue_after(self, seq: int) -> None:
+        """Number new entries after `seq` (what recovery found), so names never repeat."""
+        self._next_seq = max(self._next_seq, seq + 1)
+
+    def op_name(self, seq: int) -> str:
+        return f"op-{seq:012d}"
+
+    async def append(self, rec: Record, path: str, *, staged: StagedFile | None = None,
+                     owner: Any = None, on_done: Callable[[Entry, str | None], None] | None = None,
+                     masks: tuple[str, ...] = (), fresh: bool = False,
+                     effect: Callable[[], None] | None = None) -> Entry:
+        """Journal a change as the next of the sequence, then apply `effect` to the mount.
+
+        Returns once the record is on disk; S3 gets the change in its turn. `masks`: keys
+        (a trailing "/" masks a whole prefix) that S3 keeps showing until then.
+        """
+        async with self._append_lock:
+            seq = self._next_seq
+            if rec.op != "put":
+                rec = dataclasses.replace(rec, name=self.op_name(seq))
+            rec = dataclasses.replace(rec, seq=seq)
+            if self.journal is not None:
+                await trio.to_thread.run_sync(self.journal.write, rec)
+            self._next_seq = seq + 1
+            entry = Entry(rec, path, staged, owner, on_done, fresh,
+                          dict(rec.metadata) if rec.op == "put" else None)
+            self._entries[seq] = entry
+            for key in masks:
+                (self._prefixes if key.endswith("/") else self._exact)[key] = seq
+            if effect is not None:
+                effect()
+            self.appended += 1
+            assert self.nursery is not None, "the log runs inside the daemon's nursery"
+            self.nursery.start_soon(self._run, entry)
+            self._notify()
+            return entry
+
+    def last(self) -> Entry | None:
+        return self._entries[next(reversed(self._entries))] if self._entries else None
+
+    def latest_put(self, owner: Any) -> Entry | None:
+        """The newest pending put whose owner is `owner`."""
+        for seq in reversed(self._entries):
+            e = self._entries[seq]
+            if e.owner is owner and e.rec.op == "put":
+                return e
+        return None
+
+    def entries_of(self, owner: Any) -> list[Entry]:
+        return [e for e in self._entries.values() if e.owner is owner]
+
+    async def retarget(self, entry: Entry, key: str, path: str, effect: Callable[[], None]) -> bool:
+        """Move the last entry, a put of a name that had no object, to `key` (a rename of it).
+
+        False if it is no longer the last entry or its object is already being made visible.
+        """
+        async with self._append_lock:
+            if self.last() is not entry or entry.visible or not entry.fresh:
+                return False
+            old = entry.up
+            rec = dataclasses.replace(entry.rec, key=key, upload_id=None, parts=(),
+                                      orphan_key=entry.rec.key,
+                                      orphan_id=old.upload_id if old is not None else None)
+            if old is not None:
+                # Its upload task must never write the old key's record over this one.
+                async with old.record_lock:
+                    old.journal_name = None
+                    await self._write(rec)
+            else:
+                await self._write(rec)
+            entry.rec, entry.path, entry.up = rec, path, None
+            if entry.scope is not None:
+                entry.scope.cancel()  # it starts again under the new key
+            effect()
+            return True
+
+    async def amend_metadata(self, entry: Entry, metadata: dict[str, str]) -> bool:
+        """Give the last entry, a put, new metadata (chmod, utime after close); False if it is
+        no longer the last entry or is being made visible."""
+        async with self._append_lock:
+            if self.last() is not entry or entry.visible or entry.metadata is None:
+                return False
+            entry.rec = dataclasses.replace(entry.rec, metadata=dict(metadata))
+            up = entry.up
+            if up is not None:
+                # The upload keeps its record current (its upload id): amend that one.
+                async with up.record_lock:
+                    rec = dataclasses.replace(up.record or entry.rec, metadata=dict(metadata))
+                    await self._write(rec)
+                    up.record = rec
+            else:
+                await self._write(entry.rec)
+            # The upload reads this very dict: a PUT not yet sent carries the new values; a
+            # multipart upload copies them on after completing, as for a chmod while writing.
+            entry.metadata.clear()
+            entry.metadata.update(metadata)
+            return True
+
+    async def _write(self, rec: Record) -> None:
+        if self.journal is not None:
+            await trio.to_thread.run_sync(self.journal.write, rec)
+
+    # ----- what the mount removed and S3 still shows ---------------------
+
+    def masked(self, key: str) -> bool:
+        """S3 may still hold `key` (an object or a "dir/" prefix), but the mount removed it."""
+        if key in self._exact:
+            return True
+        if not self._prefixes:
+            return False
+        pos = key.find("/")
+        while pos >= 0:
+            if key[:pos + 1] in self._prefixes:
+                return True
+            pos = key.find("/", pos + 1)
+        return False
+
+    def _unmask(self, entry: Entry) -> None:
+        for table in (self._exact, self._prefixes):
+            for key in [k for k, seq in table.items() if seq == entry.seq]:
+                del table[key]
+
+    # ----- applying --------------------------------------------------------
+
+    def hurry(self) -> None:
+        """Retry every failing entry now (a spot notice arrived)."""
+        self._hurry.set()
+        self._hurry = trio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _turn(self, entry: Entry) -> None:
+        """Return when every earlier entry is applied; from then on `entry` is visible."""
+        while True:
+            changed = self._changed
+            if next(iter(self._entries)) == entry.seq:
+                break
+            await changed.wait()
+        # A retarget that cancelled this entry lands here, before anything is sent.
+        await trio.lowlevel.checkpoint()
+        entry.visible = True
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        return await self.uploader.retrying(what, self.uploader.deadline(), call)
+
+    async def _apply(self, entry: Entry) -> str | None:
+        rec = entry.rec
+        if rec.op != "put":
+            await self._turn(entry)
+            return await apply_op(self.s3, rec, self._retrying)
+        assert entry.staged is not None and entry.metadata is not None
+        if entry.up is None:
+            plan = None if rec.part_size in (0, self.uploader.plan.base_size) else PartPlan(rec.part_size)
+            entry.up = FileUpload(journal_name=rec.name, record=rec, plan=plan)
+        result = await self.uploader.finish(entry.up, entry.staged.path, rec.key, rec.size,
+                                            entry.metadata, before_visible=lambda: self._turn(entry))
+        return result.etag
+
+    async def _run(self, entry: Entry) -> None:
+        delay = 0.5
+        while True:
+            try:
+                with trio.CancelScope() as scope:
+                    entry.scope = scope
+                    etag = await self._apply(entry)
+            except Exception as exc:  # noqa: BLE001 - one entry's failure never ends the daemon
+                if entry.visible and not isinstance(exc, S3Error):
+                    log.exception("applying %s failed unexpectedly; retrying", entry.path)
+                entry.visible = False
+                entry.error = str(exc) or type(exc).__name__
+                entry.attempts += 1
+                log.warning("%s of %s failed (attempt %d); everything after it waits: %s",
+                            entry.rec.op, entry.path, entry.attempts, entry.error)
+                self._notify()
+                hurry = self._hurry
+                with trio.move_on_after(delay):
+                    await hurry.wait()
+                delay = 0.5 if hurry.is_set() else min(delay * 2, _BACKOFF_MAX)
+                continue
+            finally:
+                entry.scope = None
+            if not scope.cancelled_caught:
+                break
+        await self._retire(entry, etag)
+
+    async def _retire(self, entry: Entry, etag: str | None) -> None:
+        """The change is in S3: drop its record (before the next entry's turn), then report it."""
+        if self.journal is not None:
+            while True:
+                try:
+                    await trio.to_thread.run_sync(self.journal.remove, entry.rec.name)
+                    break
+                except OSError as exc:
+                    log.error("cannot remove the journal record of %s (%s); retrying", entry.path, exc)
+                    await trio.sleep(1.0)
+        del self._entries[entry.seq]
+        self._unmask(entry)
+        self.applied += 1
+        entry.error = None
+        if entry.on_done is not None:
+            entry.on_done(entry, etag)
+        self._notify()
+
+    # ----- waiting -----------------------------------------------------------
+
+    def pending(self) -> list[tuple[str, int, str | None]]:
+        """(path, bytes, last error) of every change S3 does not have yet."""
+        return [(e.path, e.size, e.error) for e in self._entries.values()]
+
+    def pending_bytes(self) -> int:
+        return sum(e.size for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def wait(self, path: str = "") -> list[tuple[str, str]]:
+        """Wait until every change under `path` made so far is in S3, or one it waits for has
+        failed an attempt since now. Returns (path, reason) for each failing change; [] means
+        done. A change outside `path` that fails holds everything after it, so it is reported."""
+        def under(e: Entry) -> bool:
+            return not path or e.path == path or e.path.startswith(path.rstrip("/") + "/")
+
+        mine = [seq for seq, e in self._entries.items() if under(e)]
+        if not mine:
+            return []
+        last = max(mine)
+        start = {seq: e.attempts for seq, e in self._entries.items() if seq <= last}
+        while True:
+            changed = self._changed
+            if last not in self._entries:
+                return []  # applied in order: everything before it is in S3 too
+            failed = [(e.path, e.error or "upload failed") for seq, e in self._entries.items()
+                      if seq <= last and e.attempts > start.get(seq, 0)]
+            if failed:
+                return failed
+            await changed.wait()
+
+    async def drain(self) -> None:
+        """Return once nothing is pending (the caller bounds it with a deadline)."""
+        while self._entries:
+            await self._changed.wait()
+
+    async def settle(self, timeout: float) -> None:
+        """Wait until S3 holds every change made so far (before a change the log cannot order,
+        such as a directory rename); raise S3Error if that takes longer than `timeout`."""
+        with trio.move_on_after(timeout):
+            await self.drain()
+            return
+        first = next(iter(self._entries.values()))
+        raise S3Error(f"earlier changes are not in S3 yet ({first.path}: {first.error or 'pending'})",
+                      retryable=False)
+
