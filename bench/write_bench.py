@@ -136,6 +136,18 @@ class Bench:
         return write
 
     @staticmethod
+    def checkpoint_writer(src: str, shards: int) -> Callable[[str], None]:
+        """A sharded checkpoint: a directory, `shards` files, then a small marker written last
+        (DCP's .metadata, Megatron's latest_checkpointed_iteration.txt, Orbax's commit_success)."""
+        def write(dst: str) -> None:
+            os.mkdir(dst)
+            for i in range(shards):
+                Bench.copy_writer(src)(os.path.join(dst, f"shard_{i}.pt"))
+            with open(os.path.join(dst, "COMPLETE"), "w") as f:
+                f.write("ok")
+        return write
+
+    @staticmethod
     def torch_writer(state: dict) -> Callable[[str], None]:
         import torch
 
@@ -152,6 +164,17 @@ class Bench:
         write(dst)
         self.rows.append(Row(workload, "a. local disk (write+close)", time.monotonic() - t, size))
         return dst
+
+    def local_tree(self, workload: str, write: Callable[[str], None]) -> int:
+        dst = self.path("local.tree")
+        drop_caches()
+        t = time.monotonic()
+        write(dst)
+        seconds = time.monotonic() - t
+        size = sum(os.path.getsize(os.path.join(dst, n)) for n in os.listdir(dst))
+        self.rows.append(Row(workload, "a. local disk (write+close)", seconds, size))
+        shutil.rmtree(dst)
+        return size
 
     def boto_upload(self, workload: str, src: str, size: int) -> None:
         key = f"boto/{workload}-{self._n}"
@@ -221,9 +244,13 @@ class Bench:
                 subprocess.run([sys.executable, "-m", "ckptfs", "sync", mnt], env=self.env, check=True)
             durable = time.monotonic() - t
             # torch.save names its archive after the file, so compare with the file, not `size`.
-            if self.object_size(key) != os.path.getsize(os.path.join(mnt, f"{workload}.bin")):
-                log = open(os.path.join(cache, "ckptfs.log")).read()[-2000:]
-                raise RuntimeError(f"{key} is not in S3 after close/sync; daemon log:\n{log}")
+            written = os.path.join(mnt, f"{workload}.bin")
+            files = ([(key, written)] if os.path.isfile(written) else
+                     [(f"{key}/{name}", os.path.join(written, name)) for name in os.listdir(written)])
+            for k, path in files:
+                if self.object_size(k) != os.path.getsize(path):
+                    log = open(os.path.join(cache, "ckptfs.log")).read()[-2000:]
+                    raise RuntimeError(f"{k} is not in S3 after close/sync; daemon log:\n{log}")
             cpu = self._cpu(pid) - cpu0
             rss = self._peak_rss(pid)
             note = f"daemon {cpu:.1f} CPU s, peak RSS {rss / MiB:.0f} MiB"
@@ -314,6 +341,15 @@ def run_workload(bench: Bench, workload: str, write: Callable[[str], None], skip
     bench.ckptfs(workload, write, size, durability="async")
 
 
+def run_ckptfs_only(bench: Bench, workload: str, write: Callable[[str], None]) -> None:
+    local = bench.local(workload, write, 0)
+    size = os.path.getsize(local)
+    bench.rows[-1].size = size
+    os.unlink(local)
+    bench.ckptfs(workload, write, size)
+    bench.ckptfs(workload, write, size, durability="async")
+
+
 def report(bench: Bench) -> str:
     lines = [f"ckptfs write benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()}: "
              f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, "
@@ -357,6 +393,10 @@ def main() -> int:
     ap.add_argument("--torch-gib", type=float, default=1.0, help="state dict size for torch.save (0: skip)")
     ap.add_argument("--skip-peers", action="store_true", help="no s3fs / rclone")
     ap.add_argument("--work", default="/var/tmp", help="where the benchmark puts its files")
+    ap.add_argument("--checkpoint-mib", type=int, default=128,
+                    help="a checkpoint of 7 shards of this many MiB and a marker written last (0: skip)")
+    ap.add_argument("--only-ckptfs", action="store_true",
+                    help="local disk and ckptfs rows only (a quick before/after comparison)")
     ap.add_argument("--ckptfs-args", default="", help='more options for ckptfs mount, e.g. "--concurrency 16"')
     args = ap.parse_args()
     if not args.skip_peers:
@@ -375,14 +415,33 @@ def main() -> int:
             with open(src, "wb") as f:
                 for _ in range(int(gib * GiB) // (64 * MiB)):
                     f.write(os.urandom(64 * MiB))
-            run_workload(bench, f"file-{gib:g}GiB", bench.copy_writer(src), args.skip_peers)
+            if args.only_ckptfs:
+                run_ckptfs_only(bench, f"file-{gib:g}GiB", bench.copy_writer(src))
+            else:
+                run_workload(bench, f"file-{gib:g}GiB", bench.copy_writer(src), args.skip_peers)
+            os.unlink(src)
+            print(report(bench), flush=True)
+        if args.checkpoint_mib:
+            src = os.path.join(work, "shard.bin")
+            with open(src, "wb") as f:
+                for _ in range(args.checkpoint_mib):
+                    f.write(os.urandom(MiB))
+            workload = f"checkpoint-7x{args.checkpoint_mib}MiB"
+            write = bench.checkpoint_writer(src, 7)
+            size = bench.local_tree(workload, write)
+            bench.ckptfs(workload, write, size)
+            bench.ckptfs(workload, write, size, durability="async")
             os.unlink(src)
             print(report(bench), flush=True)
         if args.torch_gib:
             import torch
             per = 64 * MiB // 4
             state = {f"layer{i}": torch.randn(per) for i in range(int(args.torch_gib * GiB) // (64 * MiB))}
-            run_workload(bench, f"torch-{args.torch_gib:g}GiB", bench.torch_writer(state), args.skip_peers)
+            if args.only_ckptfs:
+                run_ckptfs_only(bench, f"torch-{args.torch_gib:g}GiB", bench.torch_writer(state))
+            else:
+                run_workload(bench, f"torch-{args.torch_gib:g}GiB", bench.torch_writer(state),
+                             args.skip_peers)
         print()
         print(report(bench))
         return 0

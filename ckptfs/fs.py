@@ -296,6 +296,10 @@ class CheckpointFS(pyfuse3.Operations):
 
     async def _persist_metadata(self, inode: Inode) -> None:
         """Write changed mode/owner/mtime of a clean object back to S3."""
+        if inode.unlinked:
+            # Gone from its name (the kernel flushes times of a replaced inode after the
+            # rename): the object under that name now is another file's.
+            return
         if self.log is not None:
             await self._log_metadata(inode)
             return
@@ -497,6 +501,7 @@ class CheckpointFS(pyfuse3.Operations):
             log.warning("%s: its writer was killed by signal %d before closing it; not published "
                         "(the bytes it had written are in %s)", path, signal_number, kept)
             self.torn_writes.append({"path": path, "signal": signal_number, "preserved": kept})
+            del self.torn_writes[:-100]  # status shows the latest hundred
             parent, name = node.parent, node.name
             previous = self.log.latest_put(node) if self.log is not None else None
             had_object = self._has_object(node)
@@ -515,7 +520,15 @@ class CheckpointFS(pyfuse3.Operations):
                     back.staged = previous.staged  # still held: published in its turn
                     back.size = previous.rec.size
                     back.meta_known = True
-            pyfuse3.invalidate_entry_async(parent, os.fsencode(name), ignore_enoent=True)
+        # The kernel must drop its dentry before the dying writer is gone: its page cache
+        # holds the torn bytes under the old inode. From a worker thread (the kernel may call
+        # back into this loop), never longer than a few seconds.
+        with trio.move_on_after(5):
+            try:
+                await trio.to_thread.run_sync(pyfuse3.invalidate_entry, parent, os.fsencode(name),
+                                              abandon_on_cancel=True)
+            except OSError:
+                pass
         self.space_freed.set()
         self.space_freed = trio.Event()
 
@@ -1035,6 +1048,8 @@ class CheckpointFS(pyfuse3.Operations):
             if signal_number:
                 # The kernel closes a dying writer's files: that is no close() of its own.
                 node.torn = signal_number
+                if node.writers <= 1:  # no other writer may still finish the file: now,
+                    await self._discard_torn(node)  # before the dying process is gone
                 return
             node.torn = 0
         if self.log is not None:
@@ -1065,6 +1080,8 @@ class CheckpointFS(pyfuse3.Operations):
         node.open_handles -= 1
         if handle.writable:
             node.writers -= 1
+            if node.writers == 0 and node.torn and node.dirty and not node.unlinked:
+                await self._discard_torn(node)  # the last writer was the one killed
         if node.open_handles > 0:
             return
         if node.unlinked:
@@ -1073,8 +1090,6 @@ class CheckpointFS(pyfuse3.Operations):
                 if not node.staged.held:
                     node.staged.remove()
                 node.staged = None
-        elif node.torn and node.dirty:
-            await self._discard_torn(node)
         elif node.write_error:
             await self._discard_failed_write(node)
         elif node.staged is not None and not node.is_local:

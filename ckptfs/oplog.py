@@ -160,6 +160,7 @@ class OrderedLog:
             if effect is not None:
                 effect()
             self.appended += 1
+            log.debug("log entry %d: %s %s", seq, rec.op, path)
             assert self.nursery is not None, "the log runs inside the daemon's nursery"
             self.nursery.start_soon(self._run, entry)
             self._notify()
@@ -199,6 +200,7 @@ class OrderedLog:
             else:
                 await self._write(rec)
             entry.rec, entry.path, entry.up = rec, path, None
+            log.debug("log entry %d: the put moves to %s", entry.seq, path)
             if entry.scope is not None:
                 entry.scope.cancel()  # it starts again under the new key
             effect()
@@ -296,9 +298,10 @@ class OrderedLog:
                     entry.scope = scope
                     etag = await self._apply(entry)
             except Exception as exc:  # noqa: BLE001 - one entry's failure never ends the daemon
-                if entry.visible and not isinstance(exc, S3Error):
+                # `visible` stays set: a request that failed may still have taken effect
+                # (a lost answer), so the entry is never rewritten after that.
+                if not isinstance(exc, S3Error):
                     log.exception("applying %s failed unexpectedly; retrying", entry.path)
-                entry.visible = False
                 entry.error = str(exc) or type(exc).__name__
                 entry.attempts += 1
                 log.warning("%s of %s failed (attempt %d); everything after it waits: %s",

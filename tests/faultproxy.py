@@ -38,6 +38,7 @@ class FaultProxy:
         self.injected = {"503": 0, "500": 0, "reset": 0, "slow": 0}
         self.delay = 0.0  # added to every request
         self.requests = 0
+        self.copies = 0
         self.counts: collections.Counter[str] = collections.Counter()  # LIST, HEAD, GET, PUT, ...
         self.put_sha256: collections.Counter[str] = collections.Counter()  # x-amz-content-sha256 of PUTs with a body
         self.random = random.Random(1234)
@@ -84,6 +85,8 @@ class FaultProxy:
                 kind = "LIST" if self.command == "GET" and "list-type=" in self.path else self.command
                 with proxy.lock:
                     proxy.counts[kind] += 1
+                    if self.headers.get("x-amz-copy-source"):
+                        proxy.copies += 1  # server-side copies (rename, metadata)
                 if proxy.delay:
                     time.sleep(proxy.delay)
                 if self.command in proxy.fail_methods or (

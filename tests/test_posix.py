@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BUCKET, Mount, Mounter, s3_bytes, s3_keys
+from conftest import BUCKET, Mount, Mounter, run_ckptfs, s3_bytes, s3_keys
 
 
 def test_write_close_uploads_and_reads_back(mnt: Mount, s3, prefix: str) -> None:
@@ -367,3 +367,23 @@ def test_close_mode_failure_is_reported_by_sync_and_delivered_later(proxied, s3,
     r = run_ckptfs("sync", str(mnt.path))  # no further close needed: it keeps retrying
     assert r.returncode == 0, r.stderr
     assert s3_bytes(s3, f"{prefix}/late.bin") == b"delivered after the outage"
+
+
+@pytest.mark.parametrize("durability", ["close", "async"])
+def test_replacing_a_file_keeps_the_new_files_mode(mounter: Mounter, s3, prefix: str,
+                                                   durability: str) -> None:
+    """The kernel flushes the times of the inode a rename replaced after the rename: they
+    used to be written onto the object now under that name, with the old file's mode."""
+    mnt = mounter("--durability", durability)
+    (mnt.path / "a.pt").write_bytes(b"old")
+    os.chmod(mnt.path / "a.pt", 0o644)
+    (mnt.path / "a.pt.tmp").write_bytes(b"new")
+    os.chmod(mnt.path / "a.pt.tmp", 0o600)
+    os.replace(mnt.path / "a.pt.tmp", mnt.path / "a.pt")
+    assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    mnt.unmount()
+    head = s3.head_object(Bucket=BUCKET, Key=f"{prefix}/a.pt")
+    assert stat.S_IMODE(int(head["Metadata"]["mode"])) == 0o600
+    fresh = mounter()
+    assert stat.S_IMODE((fresh.path / "a.pt").stat().st_mode) == 0o600
+    assert (fresh.path / "a.pt").read_bytes() == b"new"

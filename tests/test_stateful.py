@@ -2,7 +2,9 @@
 then again after a remount with an empty cache (everything read back from S3).
 
 In async mode the daemon is also SIGKILLed at random points and remounted on the same cache
-dir: everything closed before the crash must come back from the journal."""
+dir: everything closed before the crash must come back from the journal. And the host is
+lost at random points (daemon SIGKILLed, cache dir wiped): a fresh mount must then show the
+tree as it was after some prefix of the operations, and the test goes on from there."""
 
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ def test_mount_agrees_with_a_local_directory(s3_server: S3Server, tmp_path: Path
             self.mnt = self.mount.path
             self.ref = self.work / "ref"
             self.ref.mkdir()
+            self.history: list[dict[str, bytes | None]] = [{}]  # the tree after each operation
 
         def both(self, fn, *rel: str):
             a = outcome(fn, *[self.mnt / r for r in rel])
@@ -118,9 +121,46 @@ def test_mount_agrees_with_a_local_directory(s3_server: S3Server, tmp_path: Path
             self.mount = self.mounter("--durability", durability, path=self.mnt,
                                       cache_dir=self.mount.cache_dir)
 
+        @rule(burst=st.lists(st.tuples(st.sampled_from(["write", "unlink", "rename"]), paths,
+                                       paths, data, st.sampled_from([1, 1, 3000])), max_size=5))
+        def host_lost(self, burst: list[tuple[str, str, str, bytes, int]]) -> None:
+            """A burst of operations (no check between them, so S3 may lag behind), then the
+            host is lost."""
+            if durability != "async":
+                return
+            for kind, path, other, payload, times in burst:
+                if kind == "write":  # some of a few MiB: their uploads take a while
+                    self.both(lambda p: p.write_bytes(payload * times), path)
+                elif kind == "unlink":
+                    self.both(os.unlink, path)
+                else:
+                    self.both(os.rename, path, other)
+                now = snapshot(self.ref)
+                if now != self.history[-1]:
+                    self.history.append(now)
+            kill_daemon(self.mnt)
+            shutil.rmtree(self.mount.cache_dir)
+            self.mount = self.mounter("--durability", durability, path=self.mnt)  # empty cache
+            got = snapshot(self.mnt)
+            assert got in self.history, (got, self.history[-1])
+            # Go on from the state S3 holds, as a trainer resuming from it would.
+            last = len(self.history) - 1 - self.history[::-1].index(got)
+            del self.history[last + 1:]
+            shutil.rmtree(self.ref)
+            self.ref.mkdir()
+            for rel, body in sorted(got.items()):
+                if body is None:
+                    (self.ref / rel).mkdir(parents=True, exist_ok=True)
+                else:
+                    (self.ref / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (self.ref / rel).write_bytes(body)
+
         @invariant()
         def trees_agree(self) -> None:
-            assert snapshot(self.mnt) == snapshot(self.ref)
+            now = snapshot(self.ref)
+            assert snapshot(self.mnt) == now
+            if now != self.history[-1]:
+                self.history.append(now)
 
         def teardown(self) -> None:
             try:

@@ -1,0 +1,186 @@
+"""The ordered log against an in-memory S3 that records the order of visible changes.
+
+A fake is right here: these tests are about ordering and faults (a part that crawls, a
+request that fails, a rename that retargets an upload), which a real server cannot be made
+to show on cue. The end-to-end checks are in test_crash.py, against SeaweedFS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import trio
+
+from ckptfs.checksum import b64_crc32, crc32
+from ckptfs.errors import NoSuchKey, S3Error
+from ckptfs.journal import Journal, Record
+from ckptfs.oplog import OrderedLog
+from ckptfs.parts import PartPlan
+from ckptfs.s3 import ObjectInfo
+from ckptfs.staging import StagingArea
+from ckptfs.uploader import Uploader
+
+MiB = 1024 * 1024
+
+
+class FakeS3:
+    """Objects in a dict; `visible` lists every change that S3 readers could see, in order."""
+
+    def __init__(self) -> None:
+        self.limiter = trio.CapacityLimiter(16)
+        self.objects: dict[str, bytes] = {}
+        self.etags: dict[str, str] = {}
+        self.uploads: dict[str, tuple[str, dict[int, bytes]]] = {}
+        self.visible: list[tuple[str, str]] = []
+        self.part_gate = threading.Event()
+        self.part_gate.set()
+        self.fail_puts = 0  # PutObject answers 503 this many times
+        self._n = 0
+
+    async def put(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
+        if self.fail_puts:
+            self.fail_puts -= 1
+            raise S3Error("503 SlowDown", "SlowDown", 503)
+        self.objects[key] = bytes(body)
+        self.visible.append(("put", key))
+        self.etags[key] = hashlib.md5(body).hexdigest()
+        return self.etags[key]
+
+    async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True) -> str:
+        self._n += 1
+        upload_id = f"u{self._n}"
+        self.uploads[upload_id] = (key, {})
+        return upload_id
+
+    def upload_part_sync(self, key: str, upload_id: str, number: int, body, crc: int) -> str:
+        self.part_gate.wait(10)
+        data = body if isinstance(body, bytes) else body.read()
+        if upload_id not in self.uploads:
+            raise NoSuchKey(f"NoSuchUpload {upload_id}")
+        self.uploads[upload_id][1][number] = data
+        return hashlib.md5(data).hexdigest()
+
+    async def complete_multipart(self, key: str, upload_id: str, parts, crc=None) -> str:
+        _, have = self.uploads.pop(upload_id)
+        data = b"".join(have[p["PartNumber"]] for p in parts)
+        self.objects[key] = data
+        self.visible.append(("complete", key))
+        self.etags[key] = hashlib.md5(data).hexdigest() + f"-{len(parts)}"
+        return self.etags[key]
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        if self.uploads.pop(upload_id, None) is None:
+            raise NoSuchKey(upload_id)
+
+    async def head(self, key: str, checksum: bool = False) -> ObjectInfo:
+        if key not in self.objects:
+            raise NoSuchKey(key)
+        data = self.objects[key]
+        return ObjectInfo(key, len(data), self.etags[key], 0.0, {}, b64_crc32(crc32(data)))
+
+    async def delete(self, key: str) -> None:
+        self.objects.pop(key, None)
+        self.visible.append(("delete", key))
+
+    async def copy(self, src: str, dst: str, size: int, metadata=None) -> str:
+        if src not in self.objects:
+            raise NoSuchKey(src)
+        self.objects[dst] = self.objects[src]
+        self.visible.append(("copy", dst))
+        self.etags[dst] = hashlib.md5(self.objects[dst]).hexdigest()
+        return self.etags[dst]
+
+
+def make(tmp_path: Path, s3: FakeS3) -> tuple[OrderedLog, StagingArea, Journal]:
+    journal = Journal(str(tmp_path))
+    uploader = Uploader(s3, PartPlan(5 * MiB), 4, stream_while_writing=False, journal=journal,
+                        upload_timeout=0.5)  # type: ignore[arg-type]
+    return OrderedLog(journal, uploader, s3), StagingArea(str(tmp_path)), journal  # type: ignore[arg-type]
+
+
+async def put(log: OrderedLog, staging: StagingArea, key: str, data: bytes, fresh: bool = True):
+    staged = staging.new_file()
+    staged.pwrite(data, 0)
+    staged.held = True
+    return await log.append(Record(os.path.basename(staged.path), key, True, len(data),
+                                   part_size=5 * MiB), key, staged=staged, fresh=fresh)
+
+
+async def test_a_small_marker_waits_for_the_big_file_before_it(tmp_path: Path) -> None:
+    s3 = FakeS3()
+    log, staging, journal = make(tmp_path, s3)
+    s3.part_gate.clear()  # the big file's parts crawl
+    async with trio.open_nursery() as nursery:
+        log.nursery = nursery
+        await put(log, staging, "ck/model.pt", os.urandom(11 * MiB))
+        await put(log, staging, "ck/COMPLETE", b"done")
+        await log.append(Record("", "old/model.pt", True, op="delete"), "old/model.pt",
+                         masks=("old/model.pt",))
+        assert [r.seq for r in sorted(journal.scan()[0], key=lambda r: r.seq)] == [1, 2, 3]
+        await trio.sleep(0.3)
+        assert s3.visible == []  # the marker was ready at once, and waits its turn
+        assert log.masked("old/model.pt") and not log.masked("old/other.pt")
+        s3.part_gate.set()
+        with trio.fail_after(10):
+            await log.drain()
+    assert s3.visible == [("complete", "ck/model.pt"), ("put", "ck/COMPLETE"),
+                          ("delete", "old/model.pt")]
+    assert journal.scan() == ([], []) and not log.masked("old/model.pt")
+
+
+async def test_a_failing_entry_holds_everything_after_it(tmp_path: Path) -> None:
+    s3 = FakeS3()
+    log, staging, journal = make(tmp_path, s3)
+    s3.fail_puts = 10**6
+    async with trio.open_nursery() as nursery:
+        log.nursery = nursery
+        await put(log, staging, "a", b"first")
+        await log.append(Record("", "b", True, op="object", body=""), "b")
+        with trio.fail_after(10):
+            failed = await log.wait()
+        assert [p for p, _ in failed] == ["a"] and "SlowDown" in failed[0][1]
+        assert s3.visible == []
+        s3.fail_puts = 0
+        log.hurry()
+        with trio.fail_after(10):
+            assert await log.wait() == []
+    assert s3.visible == [("put", "a"), ("put", "b")]
+
+
+async def test_a_rename_retargets_the_last_put_and_never_copies(tmp_path: Path) -> None:
+    s3 = FakeS3()
+    log, staging, journal = make(tmp_path, s3)
+    s3.part_gate.clear()
+    moved = []
+    async with trio.open_nursery() as nursery:
+        log.nursery = nursery
+        data = os.urandom(11 * MiB)
+        entry = await put(log, staging, "ck.pt.tmp", data)
+        await trio.sleep(0.2)  # its upload is created under the old key, parts in flight
+        assert await log.retarget(entry, "ck.pt", "ck.pt", lambda: moved.append(True))
+        (rec,) = journal.scan()[0]
+        assert rec.key == "ck.pt" and rec.orphan_key == "ck.pt.tmp" and rec.seq == entry.seq
+        s3.part_gate.set()
+        with trio.fail_after(10):
+            await log.drain()
+    assert moved == [True]
+    assert s3.visible == [("complete", "ck.pt")] and s3.objects["ck.pt"] == data
+    assert s3.uploads == {}  # the upload under the old key was aborted
+
+
+async def test_no_retarget_once_another_entry_follows(tmp_path: Path) -> None:
+    s3 = FakeS3()
+    log, staging, _ = make(tmp_path, s3)
+    async with trio.open_nursery() as nursery:
+        log.nursery = nursery
+        entry = await put(log, staging, "x.tmp", b"x")
+        await put(log, staging, "y", b"y")
+        assert not await log.retarget(entry, "x", "x", lambda: None)
+        not_fresh = await put(log, staging, "z", b"z", fresh=False)
+        assert not await log.retarget(not_fresh, "w", "w", lambda: None)
+        with trio.fail_after(10):
+            await log.drain()
+    assert s3.visible == [("put", "x.tmp"), ("put", "y"), ("put", "z")]
