@@ -7,6 +7,7 @@ Every handler runs under `_guarded`, so an unexpected exception becomes EIO
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -520,6 +521,10 @@ class CheckpointFS(pyfuse3.Operations):
                     back.staged = previous.staged  # still held: published in its turn
                     back.size = previous.rec.size
                     back.meta_known = True
+                elif back.is_local:  # a rename waits in the log: S3 has the object elsewhere
+                    with contextlib.suppress(CkptfsError):
+                        self.ns.apply_object(back, await self.s3.head(self.table.object_key(back)),
+                                             True)
         # The kernel must drop its dentry before the dying writer is gone: its page cache
         # holds the torn bytes under the old inode. From a worker thread (the kernel may call
         # back into this loop), never longer than a few seconds.

@@ -230,12 +230,18 @@ def test_overwrite_while_the_earlier_version_waits(proxied, s3, prefix: str) -> 
         (mnt.path / "latest.pt").write_bytes(v)
         assert (mnt.path / "latest.pt").read_bytes() == v
     assert time.monotonic() - started < 30
+    # Any other rewrite works on a copy of the waiting bytes (an append here).
+    with open(mnt.path / "latest.pt", "ab") as f:
+        f.write(b"tail")
+    assert (mnt.path / "latest.pt").read_bytes() == versions[-1] + b"tail"
     puts = sorted((r for r in journal_records(mnt.cache_dir) if r.op == "put"), key=lambda r: r.seq)
-    assert [r.size for r in puts] == [len(v) for v in versions]
-    assert len({r.name for r in puts}) == 3  # each version keeps its own staged bytes
+    assert [r.size for r in puts] == [len(v) for v in versions] + [len(versions[-1]) + 4]
+    assert len({r.name for r in puts}) == 4  # each version keeps its own staged bytes
+    staged = {r.name: (mnt.cache_dir / "staging" / r.name).read_bytes() for r in puts}
+    assert [staged[r.name] for r in puts] == versions + [versions[-1] + b"tail"]
     proxy.fail_methods = set()
     assert run_ckptfs("sync", str(mnt.path), timeout=300).returncode == 0
-    assert s3_bytes(s3, f"{prefix}/latest.pt") == versions[-1]
+    assert s3_bytes(s3, f"{prefix}/latest.pt") == versions[-1] + b"tail"
     assert list((mnt.cache_dir / "journal").iterdir()) == []
 
 
