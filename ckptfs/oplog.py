@@ -189,8 +189,11 @@ class OrderedLog:
             if self.last() is not entry or entry.visible or not entry.fresh:
                 return False
             old = entry.up
+            current = old.record if old is not None and old.record is not None else entry.rec
+            # The old key's intent stays: recovery aborts an upload of it whose id was never
+            # journaled (a create in flight now).
             rec = dataclasses.replace(entry.rec, key=key, upload_id=None, parts=(),
-                                      orphan_key=entry.rec.key,
+                                      intent=current.intent, orphan_key=entry.rec.key,
                                       orphan_id=old.upload_id if old is not None else None)
             if old is not None:
                 # Its upload task must never write the old key's record over this one.
