@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from write_bench import (TUNED, Bench, Row, drop_caches, mount_s3fs, rclone_env,  # noqa: E402
                          unmount, wait_mount)
 
-from ckptfs import devserver  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from devtools import devserver  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -122,7 +123,7 @@ class ReadBench:
 
     def note_daemon(self, workload: str, method: str, mnt: str) -> None:
         """Record the CPU seconds and peak RSS of the daemon serving `mnt` so far."""
-        from ckptfs.daemon import state_path
+        from ckptfs.client import state_path
         pid = json.load(open(state_path(mnt)))["pid"]
         self.daemon.setdefault((workload, method), []).append((Bench._cpu(pid), Bench._peak_rss(pid)))
 

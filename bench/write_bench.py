@@ -31,7 +31,9 @@ import boto3
 import botocore.config
 from boto3.s3.transfer import TransferConfig
 
-from ckptfs import checksum, devserver
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ckptfs import checksum  # noqa: E402
+from devtools import devserver  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -310,7 +312,7 @@ class Bench:
 
     @staticmethod
     def _state_file(mnt: str) -> str:
-        from ckptfs.daemon import state_path
+        from ckptfs.client import state_path
         return state_path(mnt)
 
     @staticmethod

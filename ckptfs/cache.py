@@ -207,13 +207,6 @@ class ObjectCache:
 
     # ----- chunks --------------------------------------------------------------
 
-    def chunk_path(self, key: str, etag: str, index: int) -> str | None:
-        name = self._name(key, etag, str(index))
-        if name not in self._lru:
-            return None
-        self._lru.move_to_end(name)
-        return self._path(name)
-
     def chunk_tmp(self, key: str, etag: str, index: int) -> tuple[str, str]:
         name = self._name(key, etag, str(index))
         return name, self._path(name) + f".{os.getpid()}.tmp"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from ckptfs import client
 from ckptfs.config import OPTION_KEYS, Config, coerce, load_config_file
 from ckptfs.config import human_size as _human
 from ckptfs.errors import CkptfsError, ConfigError, MountError
@@ -137,10 +138,8 @@ def _spawn_daemon(config: Config) -> int:
 
 
 def _sync(mountpoint: str, path: str) -> int:
-    from ckptfs import control, daemon
-
     mountpoint = os.path.abspath(mountpoint)
-    if not daemon.is_mounted(mountpoint):
+    if not client.is_mounted(mountpoint):
         raise MountError(f"{mountpoint} is not mounted")
     rel = ""
     if path:
@@ -152,7 +151,7 @@ def _sync(mountpoint: str, path: str) -> int:
     show = sys.stderr.isatty()
     if show:
         sys.stderr.write(f"ckptfs: waiting for uploads under {mountpoint}/{rel}...\r")
-    reply = control.request(daemon.control_path(mountpoint), {"op": "sync", "path": rel})
+    reply = client.request(client.control_path(mountpoint), {"op": "sync", "path": rel})
     if show:
         sys.stderr.write("\x1b[2K")
     failed = reply.get("failed", [])
@@ -164,13 +163,11 @@ def _sync(mountpoint: str, path: str) -> int:
 
 
 def _status(mountpoint: str, as_json: bool) -> int:
-    from ckptfs import control, daemon
-
     mountpoint = os.path.abspath(mountpoint)
-    if not daemon.is_mounted(mountpoint):
+    if not client.is_mounted(mountpoint):
         raise MountError(f"{mountpoint} is not mounted")
     try:
-        st = control.request(daemon.control_path(mountpoint), {"op": "status"}, timeout=10)
+        st = client.request(client.control_path(mountpoint), {"op": "status"}, timeout=10)
     except OSError as exc:
         raise MountError(f"the daemon of {mountpoint} does not answer: {exc}") from None
     if as_json:
@@ -215,14 +212,12 @@ def _alive(pid: int) -> bool:
 
 
 def _unmount(mountpoint: str, timeout: float) -> int:
-    from ckptfs import daemon
-
     mountpoint = os.path.abspath(mountpoint)
-    if not daemon.is_mounted(mountpoint):
+    if not client.is_mounted(mountpoint):
         raise MountError(f"{mountpoint} is not mounted")
     pid = None
     try:
-        with open(daemon.state_path(mountpoint)) as f:
+        with open(client.state_path(mountpoint)) as f:
             pid = int(json.load(f)["pid"])
         os.kill(pid, signal.SIGTERM)
     except (OSError, ValueError, KeyError):
@@ -239,10 +234,10 @@ def _unmount(mountpoint: str, timeout: float) -> int:
         time.sleep(0.05)
     else:
         raise MountError(f"the daemon of {mountpoint} (pid {pid}) did not finish within {timeout:.0f}s")
-    if daemon.is_mounted(mountpoint):
+    if client.is_mounted(mountpoint):
         raise MountError(f"{mountpoint} is still mounted")
     try:
-        with open(daemon.result_path(mountpoint)) as f:
+        with open(client.result_path(mountpoint)) as f:
             result = json.load(f)
     except (OSError, ValueError):
         return 0

@@ -1,4 +1,5 @@
-"""The control socket behind `ckptfs sync` (and later `status`): one JSON line each way.
+"""The daemon's side of the control socket behind `ckptfs sync` and `status`: one JSON line
+each way (the client side is in client.py, which the CLI imports without trio).
 
 The socket lives in the runtime dir with mode 0600, so only the mount's owner can use it.
 """
@@ -8,12 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 from typing import Any
 
 import trio
 
-from ckptfs.errors import MountError
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +57,3 @@ async def serve(path: str, handlers: dict[str, Any], task_status=trio.TASK_STATU
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def request(path: str, message: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-    """Send one request to the daemon and return its reply (blocking)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(path)
-        except OSError as exc:
-            raise MountError(f"cannot reach the ckptfs daemon ({exc.strerror})") from None
-        s.sendall(json.dumps(message).encode() + b"\n")
-        buf = b""
-        while b"\n" not in buf:
-            chunk = s.recv(65536)
-            if not chunk:
-                raise MountError("the ckptfs daemon closed the control connection")
-            buf += chunk
-    reply = json.loads(buf.split(b"\n", 1)[0])
-    if "error" in reply:
-        raise MountError(reply["error"])
-    return reply

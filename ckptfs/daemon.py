@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
-import re
 import errno
 import functools
 import resource
@@ -21,6 +19,7 @@ import pyfuse3
 import trio
 
 from ckptfs import control
+from ckptfs.client import _mountinfo, control_path, is_mounted, mount_type, result_path, state_path
 from ckptfs.config import Config
 from ckptfs.errors import MountError
 from ckptfs.fs import CheckpointFS
@@ -41,60 +40,6 @@ from ckptfs.uploader import Uploader
 log = logging.getLogger(__name__)
 
 READY = "READY"
-
-
-def runtime_dir() -> str:
-    if os.geteuid() == 0:
-        return "/run/ckptfs"
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/ckptfs-{os.geteuid()}"
-    return os.path.join(base, "ckptfs")
-
-
-def state_path(mountpoint: str) -> str:
-    """Where the daemon of `mountpoint` records its pid, for `ckptfs unmount`."""
-    digest = hashlib.sha256(os.path.realpath(mountpoint).encode()).hexdigest()[:16]
-    return os.path.join(runtime_dir(), f"{digest}.json")
-
-
-def control_path(mountpoint: str) -> str:
-    return state_path(mountpoint)[:-len(".json")] + ".sock"
-
-
-def result_path(mountpoint: str) -> str:
-    """Where a daemon leaves how its unmount went, for `ckptfs unmount` to report."""
-    return state_path(mountpoint)[:-len(".json")] + ".result"
-
-
-def _mountinfo(real_path: str) -> list[str] | None:
-    """The /proc/self/mountinfo fields of the last mount stacked at `real_path`, or None.
-
-    Reading this file never touches the mount itself, so it is safe while our own mount
-    is not serving yet.
-    """
-    found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4 and _unescape_mountinfo(fields[4]) == real_path:
-                found = fields
-    return found
-
-
-def _unescape_mountinfo(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def mount_type(path: str) -> str | None:
-    """The filesystem type mounted at `path` (the last one stacked there), or None."""
-    fields = _mountinfo(os.path.realpath(path))
-    if fields is None:
-        return None
-    sep = fields.index("-")
-    return fields[sep + 1] if sep + 1 < len(fields) else ""
-
-
-def is_mounted(path: str) -> bool:
-    return mount_type(path) is not None
 
 
 def _clear_dead_mount(path: str) -> None:

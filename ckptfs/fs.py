@@ -103,7 +103,8 @@ class CheckpointFS(pyfuse3.Operations):
         self.initialized = trio.Event()  # set once the kernel's FUSE INIT has been answered
         self.spot_notice: dict | None = None
         self.durability = durability
-        self.queue = UploadQueue(self._commit_in_background, self.table.path_of)
+        self.queue = UploadQueue(self._commit_in_background, self.table.path_of,
+                                 uploader.policy.changes)
         self.write_calls = 0
         self.local_read_bytes = 0  # reads answered from staged files and local copies
         self.space_freed = trio.Event()  # set whenever an upload completes (its copy can go)
@@ -338,10 +339,8 @@ class CheckpointFS(pyfuse3.Operations):
             await self.log.drain()
 
     def hurry(self) -> None:
-        self.queue.hurry()
-        self.uploader.hurry()
-        if self.log is not None:
-            self.log.hurry()
+        """Every retry waiting in backoff goes now (a spot notice arrived)."""
+        self.uploader.policy.hurry.now()
 
     # ----- async mode: every change reaches S3 through the ordered log ----
 
@@ -1020,7 +1019,7 @@ class CheckpointFS(pyfuse3.Operations):
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-            if self._reclaim_space(node):
+            if self._reclaim_space():
                 continue
             if not self._uploads_could_free(node) or trio.current_time() >= waited_until:
                 raise NoSpace(f"cache disk full ({self.staging.dir}) writing {self.table.path_of(node)}")
@@ -1029,7 +1028,7 @@ class CheckpointFS(pyfuse3.Operations):
                 await self.space_freed.wait()
         return done
 
-    def _reclaim_space(self, writer: Inode) -> bool:
+    def _reclaim_space(self) -> bool:
         """Empty the read cache (clean bytes only); True if that freed anything."""
         return self.cache.reclaim() > 0
 

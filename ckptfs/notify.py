@@ -23,10 +23,6 @@ class Notifier:
         self._sock: socket.socket | None = None
         self._last_status: str | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return self.address is not None
-
     def send(self, *fields: str) -> None:
         if self.address is None:
             return

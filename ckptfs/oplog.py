@@ -47,7 +47,9 @@ from ckptfs.uploader import FileUpload, Uploader
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_BACKOFF_MAX = 30.0
+# How long the last put of a new name waits for a rename or chmod of it before its object
+# appears (measured from its close; see _turn).
+REWRITE_GRACE = 0.2
 
 
 @dataclass(eq=False)
@@ -64,6 +66,7 @@ class Entry:
     error: str | None = None
     visible: bool = False  # its visible request was sent: it can no longer be rewritten
     scope: trio.CancelScope | None = None
+    appended_at: float = 0.0  # trio time of the append
 
     @property
     def seq(self) -> int:
@@ -120,7 +123,6 @@ class OrderedLog:
         self._next_seq = 1
         self._append_lock = trio.Lock()
         self._changed = trio.Event()
-        self._hurry = trio.Event()
         self._exact: dict[str, int] = {}  # key S3 still has but the mount removed -> its entry
         self._prefixes: dict[str, int] = {}  # "dir/" removed with everything under it -> entry
         self.applied = 0
@@ -153,7 +155,8 @@ class OrderedLog:
                 await trio.to_thread.run_sync(self.journal.write, rec)
             self._next_seq = seq + 1
             entry = Entry(rec, path, staged, owner, on_done, fresh,
-                          dict(rec.metadata) if rec.op == "put" else None)
+                          dict(rec.metadata) if rec.op == "put" else None,
+                          appended_at=trio.current_time())
             self._entries[seq] = entry
             for key in masks:
                 (self._prefixes if key.endswith("/") else self._exact)[key] = seq
@@ -257,11 +260,6 @@ class OrderedLog:
 
     # ----- applying --------------------------------------------------------
 
-    def hurry(self) -> None:
-        """Retry every failing entry now (a spot notice arrived)."""
-        self._hurry.set()
-        self._hurry = trio.Event()
-
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
@@ -273,6 +271,14 @@ class OrderedLog:
             if next(iter(self._entries)) == entry.seq:
                 break
             await changed.wait()
+        if entry.fresh and entry.metadata is not None:
+            # A put that is still the last change: wait out the grace from its append for a
+            # rename (os.replace after torch.save to a temp name) or a chmod/utime (copy2)
+            # that would rewrite it. Once visible, a rename would take two steps in S3.
+            # Large files spend longer than this on their parts: it costs them nothing.
+            with trio.move_on_at(entry.appended_at + REWRITE_GRACE):
+                while self.last() is entry:
+                    await self._changed.wait()
         # A retarget that cancelled this entry lands here, before anything is sent.
         await trio.lowlevel.checkpoint()
         entry.visible = True
@@ -294,7 +300,7 @@ class OrderedLog:
         return result.etag
 
     async def _run(self, entry: Entry) -> None:
-        delay = 0.5
+        attempt = 0
         while True:
             try:
                 with trio.CancelScope() as scope:
@@ -310,10 +316,7 @@ class OrderedLog:
                 log.warning("%s of %s failed (attempt %d); everything after it waits: %s",
                             entry.rec.op, entry.path, entry.attempts, entry.error)
                 self._notify()
-                hurry = self._hurry
-                with trio.move_on_after(delay):
-                    await hurry.wait()
-                delay = 0.5 if hurry.is_set() else min(delay * 2, _BACKOFF_MAX)
+                attempt = await self.uploader.policy.changes.sleep(attempt)
                 continue
             finally:
                 entry.scope = None

@@ -15,10 +15,9 @@ import trio
 
 from ckptfs.errors import UploadError
 from ckptfs.inodes import Inode
+from ckptfs.retry import Backoff, RetryPolicy
 
 log = logging.getLogger(__name__)
-
-_BACKOFF_MAX = 30.0
 
 
 @dataclass(eq=False)
@@ -30,19 +29,14 @@ class _Entry:
 
 class UploadQueue:
     def __init__(self, commit: Callable[[Inode], Awaitable[None]],
-                 path_of: Callable[[Inode], str]) -> None:
+                 path_of: Callable[[Inode], str], backoff: Backoff | None = None) -> None:
         self._commit = commit
         self._path_of = path_of
         self._pending: dict[int, _Entry] = {}
         self._changed = trio.Event()
-        self._hurry = trio.Event()
+        self._backoff = backoff or RetryPolicy().changes
         self.nursery: trio.Nursery | None = None
         self.uploaded = 0
-
-    def hurry(self) -> None:
-        """Retry every waiting upload now, with fresh backoff (a spot notice arrived)."""
-        self._hurry.set()
-        self._hurry = trio.Event()
 
     def pending(self) -> list[tuple[str, int, str | None]]:
         """(path, size, last error) of every file not yet in S3."""
@@ -57,7 +51,7 @@ class UploadQueue:
 
     async def _run(self, entry: _Entry) -> None:
         inode = entry.inode
-        delay = 0.5
+        attempt = 0
         try:
             while inode.dirty and not inode.unlinked:
                 try:
@@ -70,10 +64,7 @@ class UploadQueue:
                     entry.error = str(exc) or type(exc).__name__
                     entry.attempts += 1
                     self._notify()
-                    hurry = self._hurry
-                    with trio.move_on_after(delay):
-                        await hurry.wait()
-                    delay = 0.5 if hurry.is_set() else min(delay * 2, _BACKOFF_MAX)
+                    attempt = await self._backoff.sleep(attempt)
                     continue
                 if inode.dirty and inode.writers == 0:
                     continue  # written again while it uploaded

@@ -28,7 +28,7 @@ from ckptfs.journal import Journal, Record
 from ckptfs.oplog import apply_op
 from ckptfs.parts import PartPlan
 from ckptfs.s3 import S3Client
-from ckptfs.uploader import FileUpload, PartRecord, Uploader, _without_mtime
+from ckptfs.uploader import FileUpload, PartRecord, Uploader, without_mtime
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class Recovery:
             listed = await self.s3.list_parts(rec.key, rec.upload_id)
         except NoSuchKey:
             return False
-        up.upload_id, up.key, up.metadata = rec.upload_id, rec.key, _without_mtime(rec.metadata)
+        up.upload_id, up.key, up.metadata = rec.upload_id, rec.key, without_mtime(rec.metadata)
         plan = up.plan or self.uploader.plan
         for r in plan.ranges(rec.size):
             have = listed.get(r.number)

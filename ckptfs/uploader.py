@@ -24,7 +24,6 @@ import dataclasses
 import io
 import logging
 import os
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,14 +35,13 @@ from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
 from ckptfs.journal import Journal, PartDone, Record
 from ckptfs.parts import PartPlan, PartRange
+from ckptfs.retry import RetryPolicy
 from ckptfs.s3 import S3Client
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _READ_CHUNK = 1 << 20
-_BACKOFF_BASE = 0.2
-_BACKOFF_CAP = 5.0
 # Parts up to this size are sent from memory; larger ones stream from the staging file.
 _IN_MEMORY_PART = 32 << 20
 # Upper bounds (seconds) of the upload latency histogram's buckets.
@@ -89,7 +87,7 @@ class FileUpload:
                 and rec.generation >= self.touched.get(r.number, 0))
 
 
-def _without_mtime(metadata: dict[str, str]) -> dict[str, str]:
+def without_mtime(metadata: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in metadata.items() if k != "mtime"}
 
 
@@ -150,7 +148,7 @@ def _crc_of_range(fd: int, start: int, length: int) -> int:
 class Uploader:
     def __init__(self, s3: S3Client, plan: PartPlan, concurrency: int,
                  stream_while_writing: bool = True, journal: Journal | None = None,
-                 upload_timeout: float = 120.0) -> None:
+                 upload_timeout: float = 120.0, policy: RetryPolicy | None = None) -> None:
         self.s3 = s3
         self.plan = plan
         # Off in async mode: there close() waits for nothing in S3, and on a small host the
@@ -162,7 +160,6 @@ class Uploader:
         self.idle = trio.Event()
         self.idle.set()
         self.parts_sent = 0
-        self.retries = 0
         self.bytes_uploaded = 0  # part and PUT bodies S3 accepted
         self.uploads_done = 0
         self.upload_failures = 0
@@ -170,12 +167,7 @@ class Uploader:
         self.latency_sum = 0.0
         self.journal = journal
         self.upload_timeout = upload_timeout
-        self._hurry = trio.Event()
-
-    def hurry(self) -> None:
-        """Cut every retry's backoff short (a spot notice arrived)."""
-        self._hurry.set()
-        self._hurry = trio.Event()
+        self.policy = policy or RetryPolicy()
 
     # ----- the journal ---------------------------------------------------
 
@@ -183,6 +175,10 @@ class Uploader:
         if self.journal is None or up.journal_name is None:
             return
         async with up.record_lock:
+            # Checked again under the lock: the ordered log may have taken the record over
+            # (a retarget) while this write waited, and must not be overwritten by it.
+            if up.journal_name is None:
+                return
             if rec is None:
                 if up.record is not None:
                     await trio.to_thread.run_sync(self.journal.remove, up.journal_name)
@@ -240,29 +236,12 @@ class Uploader:
     # ----- retries ---------------------------------------------------------
 
     async def retrying(self, what: str, deadline: float, call: Callable[[], Awaitable[T]]) -> T:
-        """`call()`, again after transient faults, with backoff and jitter, until `deadline`."""
-        attempt = 0
-        started = trio.current_time()
-        while True:
-            try:
-                return await call()
-            except S3Error as exc:
-                if not exc.retryable:
-                    raise
-                delay = random.uniform(_BACKOFF_BASE / 4, min(_BACKOFF_CAP, _BACKOFF_BASE * 2 ** attempt))
-                if trio.current_time() + delay >= deadline:
-                    raise UploadError(
-                        f"{what}: gave up after {attempt + 1} attempts in "
-                        f"{trio.current_time() - started:.0f}s: {exc}", exc.code, exc.status, True
-                    ) from None
-                self.retries += 1
-                attempt += 1
-                log.warning("%s failed (attempt %d), retrying in %.1fs: %s", what, attempt, delay, exc)
-                hurry = self._hurry
-                with trio.move_on_after(delay):
-                    await hurry.wait()
-                if hurry.is_set():
-                    attempt = 0
+        """`call()`, again after transient faults (the one policy of retry.py), until `deadline`."""
+        return await self.policy.call(what, deadline, call)
+
+    @property
+    def retries(self) -> int:
+        return self.policy.retries
 
     def deadline(self) -> float:
         return trio.current_time() + self.upload_timeout
@@ -406,7 +385,7 @@ class Uploader:
             if up.upload_id is None:
                 # No mtime: it is not known while the file is still written, and an object
                 # without one shows its LastModified (the completion time) instead.
-                meta = _without_mtime(metadata)
+                meta = without_mtime(metadata)
                 await self._journal_intent(up, key)
                 upload_id = await self.retrying(f"CreateMultipartUpload {key}", deadline,
                                                 lambda: self.s3.create_multipart(key, meta))
@@ -509,7 +488,7 @@ class Uploader:
         etag = await self.retrying(f"CompleteMultipartUpload {key}", deadline, complete)
         up.upload_id = up.key = None
         up.parts.clear()
-        if up.metadata != _without_mtime(metadata):  # mode or owner changed while it was written
+        if up.metadata != without_mtime(metadata):  # mode or owner changed while it was written
             etag = await self.retrying(f"COPY {key}", deadline,
                                        lambda: self.s3.copy(key, key, size, metadata))
         up.metadata = None

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import tempfile
 
-from ckptfs import devserver
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from devtools import devserver  # noqa: E402  (the local S3 server; not part of ckptfs)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -15,15 +15,40 @@ from pathlib import Path
 
 import pytest
 
-from ckptfs import devserver
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # devtools/: the local S3 server is not part of the package
+
+from devtools import devserver  # noqa: E402
 BUCKET = devserver.DEFAULT_BUCKET
 ACCESS_KEY = devserver.ACCESS_KEY
 SECRET_KEY = devserver.SECRET_KEY
 free_ports = devserver.free_ports
 client_env = devserver.client_env
 S3Server = devserver.DevServer
+
+
+# Test tiers, fastest first: `./scripts/test.sh -m unit` (no server, no mount: seconds),
+# `-m component` (the real S3 server, no mount), `-m mount` (real FUSE mounts). A test's tier
+# comes from the fixtures it uses; modules that mount through helpers say so themselves.
+TIERS = ("unit", "component", "mount")
+_MOUNT_FIXTURES = {"mounter", "mnt", "proxied"}
+_SERVER_FIXTURES = {"s3_server", "s3"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier, what in zip(TIERS, ("no S3 server, no mount", "the real S3 server, no mount",
+                                  "real FUSE mounts")):
+        config.addinivalue_line("markers", f"{tier}: {what}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(t) for t in TIERS):
+            continue
+        names = set(getattr(item, "fixturenames", ()))
+        tier = ("mount" if names & _MOUNT_FIXTURES else
+                "component" if names & _SERVER_FIXTURES else "unit")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ MiB = 1024 * 1024
 POINTS = int(os.environ.get("CKPTFS_CRASH_POINTS", "12"))
 
 
+@pytest.mark.mount
 @pytest.mark.parametrize("variant", ["lost", "intact"])
 def test_random_kill_points_leave_s3_at_a_prefix_of_the_history(s3_server: S3Server, s3,
                                                                   tmp_path: Path, variant: str) -> None:

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import trio
+import trio.testing
 
 from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import NoSuchKey, S3Error
@@ -21,7 +22,7 @@ from ckptfs.oplog import OrderedLog
 from ckptfs.parts import PartPlan
 from ckptfs.s3 import ObjectInfo
 from ckptfs.staging import StagingArea
-from ckptfs.uploader import Uploader
+from ckptfs.uploader import FileUpload, Uploader
 
 MiB = 1024 * 1024
 
@@ -94,6 +95,11 @@ class FakeS3:
         return self.etags[dst]
 
 
+def records(cache: Path) -> list[Record]:
+    """The journal as it is now (Journal.scan is for mount time: it removes temp files)."""
+    return [Record.decode(p.read_bytes()) for p in (cache / "journal").glob("*.json")]
+
+
 def make(tmp_path: Path, s3: FakeS3) -> tuple[OrderedLog, StagingArea, Journal]:
     journal = Journal(str(tmp_path))
     uploader = Uploader(s3, PartPlan(5 * MiB), 4, stream_while_writing=False, journal=journal,
@@ -119,7 +125,7 @@ async def test_a_small_marker_waits_for_the_big_file_before_it(tmp_path: Path) -
         await put(log, staging, "ck/COMPLETE", b"done")
         await log.append(Record("", "old/model.pt", True, op="delete"), "old/model.pt",
                          masks=("old/model.pt",))
-        assert [r.seq for r in sorted(journal.scan()[0], key=lambda r: r.seq)] == [1, 2, 3]
+        assert sorted(r.seq for r in records(tmp_path)) == [1, 2, 3]
         await trio.sleep(0.3)
         assert s3.visible == []  # the marker was ready at once, and waits its turn
         assert log.masked("old/model.pt") and not log.masked("old/other.pt")
@@ -144,7 +150,7 @@ async def test_a_failing_entry_holds_everything_after_it(tmp_path: Path) -> None
         assert [p for p, _ in failed] == ["a"] and "SlowDown" in failed[0][1]
         assert s3.visible == []
         s3.fail_puts = 0
-        log.hurry()
+        log.uploader.policy.hurry.now()
         with trio.fail_after(10):
             assert await log.wait() == []
     assert s3.visible == [("put", "a"), ("put", "b")]
@@ -161,7 +167,7 @@ async def test_a_rename_retargets_the_last_put_and_never_copies(tmp_path: Path) 
         entry = await put(log, staging, "ck.pt.tmp", data)
         await trio.sleep(0.2)  # its upload is created under the old key, parts in flight
         assert await log.retarget(entry, "ck.pt", "ck.pt", lambda: moved.append(True))
-        (rec,) = journal.scan()[0]
+        (rec,) = records(tmp_path)
         assert rec.key == "ck.pt" and rec.orphan_key == "ck.pt.tmp" and rec.seq == entry.seq
         s3.part_gate.set()
         with trio.fail_after(10):
@@ -184,3 +190,21 @@ async def test_no_retarget_once_another_entry_follows(tmp_path: Path) -> None:
         with trio.fail_after(10):
             await log.drain()
     assert s3.visible == [("put", "x.tmp"), ("put", "y"), ("put", "z")]
+
+
+async def test_a_retarget_is_never_overwritten_by_the_old_uploads_record(tmp_path: Path) -> None:
+    """The retargeted put's record names the new key; a journal write of its old upload that
+    was already waiting for the record's lock must not put the old key back (a crash would
+    then publish the temp name: seen as an extra latest.pt.tmp by the crash checker)."""
+    s3 = FakeS3()
+    log, staging, journal = make(tmp_path, s3)
+    up = FileUpload(journal_name="run-1", record=Record("run-1", "ck.pt.tmp", True, 5, seq=1))
+    async with trio.open_nursery() as nursery:
+        async with up.record_lock:  # the retarget holds the lock...
+            nursery.start_soon(log.uploader._save, up,
+                               Record("run-1", "ck.pt.tmp", True, 5, seq=1, intent=1.0))
+            await trio.testing.wait_all_tasks_blocked()  # ...while the old write waits for it
+            up.journal_name = None
+            journal.write(Record("run-1", "ck.pt", True, 5, seq=1, orphan_key="ck.pt.tmp"))
+    (rec,) = journal.scan()[0]
+    assert rec.key == "ck.pt"

@@ -10,6 +10,7 @@ import trio
 from ckptfs.errors import UploadError
 from ckptfs.inodes import Inode
 from ckptfs.queue import UploadQueue
+from ckptfs.retry import RetryPolicy
 
 
 def _file(ino: int) -> Inode:
@@ -29,7 +30,8 @@ async def test_an_unexpected_error_in_one_upload_is_retried_and_never_ends_the_q
             raise failures[inode.ino].pop(0)
         inode.dirty = False
 
-    queue = UploadQueue(commit, lambda inode: inode.name)
+    policy = RetryPolicy()
+    queue = UploadQueue(commit, lambda inode: inode.name, policy.changes)
     a, b = _file(1), _file(2)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -39,7 +41,7 @@ async def test_an_unexpected_error_in_one_upload_is_retried_and_never_ends_the_q
             failed = await queue.wait()  # b goes up; a fails an attempt, reported, and waits
             assert [(p, "No space left" in why) for p, why in failed] == [("f1", True)]
             while a.dirty:
-                queue.hurry()  # skip the backoff
+                policy.hurry.now()  # skip the backoff
                 await trio.sleep(0.01)
             await queue.drain()
     assert attempts == {1: 3, 2: 1} and not a.dirty and not b.dirty

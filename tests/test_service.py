@@ -9,11 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
+
+import pytest
 import time
 import urllib.request
 from pathlib import Path
 
 from conftest import BUCKET, REPO, Mounter, S3Server, client_env, free_ports, is_mount, run_ckptfs, s3_bytes
+
+pytestmark = pytest.mark.mount  # the demo and the service mount through scripts
 
 MiB = 1024 * 1024
 
@@ -172,7 +176,7 @@ def test_the_demo_runs_to_the_end() -> None:
 def test_the_dev_server_leaves_no_sockets_behind(tmp_path: Path) -> None:
     # weed makes unix sockets named after its ports in the temp directory and leaves them when
     # it stops: a day of test runs had left 56 in /tmp.
-    from ckptfs import devserver
+    from devtools import devserver
 
     server = devserver.start(str(tmp_path / "weed"))
     tmp = os.environ.get("TMPDIR") or "/tmp"
