@@ -113,8 +113,9 @@ class Recovery:
         fails (nothing after it may reach S3 before it does)."""
         for rec in ordered:
             if rec.op == "put":
+                failed = len(self.report.failed)
                 if not await self._deliver(rec):
-                    if self.report.failed:
+                    if len(self.report.failed) > failed:
                         return
                     continue  # set aside: its bytes are gone, and nothing can bring them back
             else:

@@ -313,6 +313,7 @@ class Uploader:
                 if size <= (up.plan or self.plan).base_size and up.upload_id is None:
                     if before_visible is not None:
                         await before_visible()
+                        deadline = max(deadline, self.deadline())  # the wait is not the PUT's
                     result = await self._put(fd, key, size, metadata, deadline)
                 else:
                     result = await self._complete(up, fd, key, size, metadata, deadline,
