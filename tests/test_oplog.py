@@ -39,11 +39,15 @@ class FakeS3:
         self.part_gate = threading.Event()
         self.part_gate.set()
         self.fail_puts = 0  # PutObject answers 503 this many times
+        self.fail_for: dict[str, int] = {}  # ... for this key
         self._n = 0
 
     async def put(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
-        if self.fail_puts:
-            self.fail_puts -= 1
+        if self.fail_puts or self.fail_for.get(key):
+            if self.fail_for.get(key):
+                self.fail_for[key] -= 1
+            else:
+                self.fail_puts -= 1
             raise S3Error("503 SlowDown", "SlowDown", 503)
         self.objects[key] = bytes(body)
         self.visible.append(("put", key))
@@ -81,6 +85,10 @@ class FakeS3:
             raise NoSuchKey(key)
         data = self.objects[key]
         return ObjectInfo(key, len(data), self.etags[key], 0.0, {}, b64_crc32(crc32(data)))
+
+    async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        return [(key, upload_id, 0.0) for upload_id, (key, _) in self.uploads.items()
+                if key.startswith(prefix)]
 
     async def delete(self, key: str) -> None:
         self.objects.pop(key, None)
@@ -208,3 +216,43 @@ async def test_a_retarget_is_never_overwritten_by_the_old_uploads_record(tmp_pat
             journal.write(Record("run-1", "ck.pt", True, 5, seq=1, orphan_key="ck.pt.tmp"))
     (rec,) = journal.scan()[0]
     assert rec.key == "ck.pt"
+
+
+async def test_a_put_that_waited_for_its_turn_gets_a_fresh_deadline(tmp_path: Path) -> None:
+    """Its first transient fault after a long wait is retried within the attempt, not
+    turned into a failed attempt because the deadline passed while it waited."""
+    s3 = FakeS3()
+    log, staging, _ = make(tmp_path, s3)  # --upload-timeout 0.5 s
+    s3.fail_for["a"] = 10**6
+    async with trio.open_nursery() as nursery:
+        log.nursery = nursery
+        await put(log, staging, "a", b"a")
+        b = await put(log, staging, "b", b"b")
+        await trio.sleep(1.0)  # b waits behind a for longer than the upload timeout
+        s3.fail_for.update(a=0, b=1)
+        log.uploader.policy.hurry.now()
+        with trio.fail_after(10):
+            await log.drain()
+    assert b.attempts == 0 and s3.visible == [("put", "a"), ("put", "b")]
+
+
+async def test_recovery_goes_on_past_a_set_aside_put_after_another_record_failed(tmp_path: Path) -> None:
+    from ckptfs.recovery import Recovery
+
+    s3 = FakeS3()
+    _, staging, journal = make(tmp_path, s3)
+    s3.objects["gone"] = b"old"
+    # A close-mode record S3 will not take, a log put whose staged file is lost, a log delete.
+    staged = staging.new_file()
+    staged.pwrite(b"x", 0)
+    name = os.path.basename(staged.path)
+    s3.fail_for["close-mode"] = 10**6
+    journal.write(Record(name, "close-mode", True, 1))
+    journal.write(Record("lost-1", "lost", True, 5, seq=1))
+    journal.write(Record("op-000000000002", "gone", True, op="delete", seq=2))
+    uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal, upload_timeout=0.3)  # type: ignore[arg-type]
+    report = await Recovery(journal, staging.dir, str(tmp_path / "preserved"), s3,  # type: ignore[arg-type]
+                            uploader).run("", 86400)
+    assert [k for k, _ in report.failed] == ["close-mode"]
+    assert [k for k, _ in report.set_aside] == ["lost-1"]
+    assert "gone" not in s3.objects and report.replayed == 1  # the delete was still applied
