@@ -494,7 +494,7 @@ class CheckpointFS(pyfuse3.Operations):
             kept = "nothing staged"
             if staged is not None and not staged.held:
                 try:
-                    kept = self.staging.preserve(staged, f"{path}: writer killed by signal {signal_number}")
+                    kept = self.staging.preserve(staged)
                 except OSError as exc:
                     kept = f"could not keep them: {exc.strerror}"
                     staged.remove()

@@ -125,8 +125,6 @@ class OrderedLog:
         self._changed = trio.Event()
         self._exact: dict[str, int] = {}  # key S3 still has but the mount removed -> its entry
         self._prefixes: dict[str, int] = {}  # "dir/" removed with everything under it -> entry
-        self.applied = 0
-        self.appended = 0
 
     # ----- appending -----------------------------------------------------
 
@@ -162,7 +160,6 @@ class OrderedLog:
                 (self._prefixes if key.endswith("/") else self._exact)[key] = seq
             if effect is not None:
                 effect()
-            self.appended += 1
             log.debug("log entry %d: %s %s", seq, rec.op, path)
             assert self.nursery is not None, "the log runs inside the daemon's nursery"
             self.nursery.start_soon(self._run, entry)
@@ -336,7 +333,6 @@ class OrderedLog:
                     await trio.sleep(1.0)
         del self._entries[entry.seq]
         self._unmask(entry)
-        self.applied += 1
         entry.error = None
         if entry.on_done is not None:
             entry.on_done(entry, etag)

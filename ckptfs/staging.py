@@ -84,7 +84,6 @@ class StagingArea:
         # Where files of an earlier run that cannot be delivered are kept for the operator.
         self.preserved_dir = os.path.join(cache_dir, "preserved", time.strftime("%Y%m%dT%H%M%S"))
         self.preserved: str | None = None
-        self.preserved_files: list[tuple[str, str]] = []  # (path, why) set aside by this daemon
 
     def preserve_leftovers(self, keep: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         """Move staged files of an earlier daemon that no journal record claims aside, never
@@ -99,7 +98,7 @@ class StagingArea:
                     len(leftovers), self.preserved_dir)
         self.preserved = self.preserved_dir
 
-    def preserve(self, staged: StagedFile, why: str) -> str:
+    def preserve(self, staged: StagedFile) -> str:
         """Move a staged file that must never be published (a killed writer's torn bytes)
         to the preserved dir, for the operator; returns its new path."""
         staged.close()
@@ -107,7 +106,6 @@ class StagingArea:
         dest = os.path.join(self.preserved_dir, os.path.basename(staged.path))
         os.rename(staged.path, dest)
         self.preserved = self.preserved_dir
-        self.preserved_files.append((dest, why))
         return dest
 
     def new_file(self) -> StagedFile:
