@@ -50,6 +50,9 @@ class ObjectCache:
     def _path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
+    def stats(self) -> dict[str, int]:
+        return {"cache_bytes": self.total, "cache_budget": self.budget}
+
     def _load(self) -> None:
         found = []
         for name in os.listdir(self.dir):

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pyfuse3
 import trio
@@ -21,20 +22,28 @@ import trio
 from ckptfs import control
 from ckptfs.client import _mountinfo, control_path, is_mounted, mount_type, result_path, state_path
 from ckptfs.config import Config
-from ckptfs.errors import MountError
-from ckptfs.fs import CheckpointFS
 from ckptfs.cache import ObjectCache
+from ckptfs.changes import Changes, LocalCopies
+from ckptfs.direct import DirectChanges
+from ckptfs.errors import MountError, raise_first_error
+from ckptfs.files import OpenFiles
+from ckptfs.fs import CheckpointFS
+from ckptfs.inodes import InodeTable
 from ckptfs.journal import Journal
 from ckptfs.metrics import Stats
 from ckptfs.metrics import serve as serve_metrics
+from ckptfs.logged import LoggedChanges
+from ckptfs.namespace import Namespace
 from ckptfs.notify import Notifier
 from ckptfs.oplog import OrderedLog
 from ckptfs.recovery import Recovery
+from ckptfs.retry import RetryPolicy
 from ckptfs.parts import PartPlan
 from ckptfs.prefetch import ChunkReader
 from ckptfs.s3 import S3Client, make_boto_client, preflight
 from ckptfs.spot import watch as watch_spot
 from ckptfs.staging import StagingArea
+from ckptfs.tree import Tree
 from ckptfs.uploader import Uploader
 
 log = logging.getLogger(__name__)
@@ -165,17 +174,32 @@ def run(config: Config, notify: Callable[[str], None]) -> int:
         return trio.run(_serve, config, notify)
 
 
-async def _serve(config: Config, notify: Callable[[str], None]) -> int:
+@dataclass
+class Mount:
+    """The components of one mount, built inside the daemon's nursery (see `_build`)."""
+    fs: CheckpointFS
+    files: OpenFiles
+    changes: Changes
+    uploader: Uploader
+    reader: ChunkReader
+    log: OrderedLog
+    journal: Journal
+    staging: StagingArea
+    stats: Stats
+
+
+async def _build(config: Config, nursery: trio.Nursery) -> Mount:
     limiter = trio.CapacityLimiter(config.concurrency + 8)
     boto = make_boto_client(config.endpoint_url, config.region, config.profile,
                             pool=config.concurrency + 8)
-    s3 = S3Client(boto, config.bucket, limiter)
+    # One retry policy for every request of the mount (and its spot-notice hurry).
+    s3 = S3Client(boto, config.bucket, limiter, RetryPolicy(), timeout=config.upload_timeout)
     staging = StagingArea(config.cache_dir)
     journal = Journal(config.cache_dir)
     uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency,
                         stream_while_writing=config.durability == "close", journal=journal,
-                        upload_timeout=config.upload_timeout)
-    oplog = OrderedLog(journal, uploader, s3)
+                        upload_timeout=config.upload_timeout, nursery=nursery)
+    oplog = OrderedLog(journal, uploader, s3, nursery=nursery)
     # Before the mount goes live: what an earlier daemon journaled reaches S3 first, and the
     # ordered log's entries in their order.
     report = await Recovery(journal, staging.dir, staging.preserved_dir, s3, uploader).run(
@@ -188,12 +212,45 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
                          f"{journal.dir}, mount again to retry")
     staging.preserve_leftovers()
     cache = ObjectCache(config.cache_dir, config.cache_size)
-    fs = CheckpointFS(
-        s3=s3, prefix=config.prefix, staging=staging, uploader=uploader,
-        reader=ChunkReader(s3, cache), uid=os.getuid(), gid=os.getgid(), read_only=config.read_only,
-        metadata_ttl=config.metadata_ttl, cache=cache,
-        durability=config.durability, log=oplog,
-    )
+    uid, gid = os.getuid(), os.getgid()
+    table = InodeTable(config.prefix, uid, gid)
+    local = LocalCopies(cache, table)
+    changes: Changes
+    if config.durability == "async":  # every change reaches S3 through the ordered log, in order
+        changes = LoggedChanges(log=oplog, s3=s3, table=table, uploader=uploader, cache=cache,
+                                staging=staging, local=local)
+        masked = oplog.masked
+    else:
+        changes = DirectChanges(s3=s3, table=table, uploader=uploader, cache=cache,
+                                staging=staging, local=local, nursery=nursery)
+        masked = None
+    ns = Namespace(s3, table, uid, gid, config.metadata_ttl, masked=masked)
+    reader = ChunkReader(s3, cache, nursery=nursery)
+    files = OpenFiles(s3=s3, table=table, ns=ns, staging=staging, cache=cache, uploader=uploader,
+                      reader=reader, changes=changes, local=local)
+    tree = Tree(s3=s3, table=table, ns=ns, uploader=uploader, changes=changes)
+    fs = CheckpointFS(table=table, ns=ns, files=files, tree=tree, staging_dir=staging.dir,
+                      read_only=config.read_only, metadata_ttl=config.metadata_ttl)
+    stats = Stats({"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
+                   "cache_dir": config.cache_dir, "durability": config.durability,
+                   "recovery": report.as_dict()},
+                  [uploader, reader, cache, files, changes, journal],
+                  draining=lambda: fs.draining, pending=changes.backlog.pending)
+    return Mount(fs, files, changes, uploader, reader, oplog, journal, staging, stats)
+
+
+async def _serve(config: Config, notify: Callable[[str], None]) -> int:
+    with raise_first_error():
+        async with trio.open_nursery() as nursery:
+            mount = await _build(config, nursery)
+            await _mount_and_serve(config, mount, nursery, notify)
+            nursery.cancel_scope.cancel()
+    return _report_unmount(config, mount)
+
+
+async def _mount_and_serve(config: Config, mount: Mount, nursery: trio.Nursery,
+                           notify: Callable[[str], None]) -> None:
+    fs, stats = mount.fs, mount.stats
     options = set(pyfuse3.default_options)
     options |= {f"fsname=ckptfs:{config.bucket}/{config.prefix}", "subtype=ckptfs"}
     if config.allow_other:
@@ -204,9 +261,6 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
     # ask this very process to answer, and it is not listening yet.
     state = state_path(config.mountpoint)
     control_sock = control_path(config.mountpoint)
-    result = result_path(config.mountpoint)
-    stats = Stats(fs, {"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
-                       "cache_dir": config.cache_dir, "recovery": report.as_dict()})
     metrics_server = serve_metrics(config.metrics_addr, stats) if config.metrics_addr else None
     notifier = Notifier()
     real_mountpoint = os.path.realpath(config.mountpoint)
@@ -222,66 +276,65 @@ async def _serve(config: Config, notify: Callable[[str], None]) -> int:
             json.dump({"pid": os.getpid(), "cache_dir": config.cache_dir, "source": config.source}, f)
         log.info("mounted s3://%s/%s at %s (cache %s)", config.bucket, config.prefix,
                  config.mountpoint, config.cache_dir)
-        async with trio.open_nursery() as nursery:
-            fs.reader.nursery = fs.uploader.nursery = fs.queue.nursery = oplog.nursery = nursery
-            await nursery.start(control.serve, control_sock, _control_handlers(fs, stats))
-            nursery.start_soon(_watch_signals, fs, config.drain_timeout, stats, notifier)
-            nursery.start_soon(_report_status, stats, notifier)
-            nursery.start_soon(_tune_connection, fs, real_mountpoint)
+        async with trio.open_nursery() as services:
+            await services.start(control.serve, control_sock, _control_handlers(mount))
+            services.start_soon(_watch_signals, mount, config.drain_timeout, notifier)
+            services.start_soon(_report_status, stats, notifier)
+            services.start_soon(_tune_connection, fs, real_mountpoint)
             if config.spot_termination_watch:
-                nursery.start_soon(watch_spot, config.imds_endpoint, config.spot_poll_interval,
-                                   functools.partial(_on_spot_notice, fs))
+                services.start_soon(watch_spot, config.imds_endpoint, config.spot_poll_interval,
+                                    functools.partial(_on_spot_notice, mount))
             notify(READY)
             notifier.ready(stats.line())
             await pyfuse3.main()
-            await fs.reader.settle()
-            # Streamed parts of files that were never closed go; closed files not yet in
-            # S3 keep their journal records, and the next mount delivers them.
-            for inode in fs.table.all():
-                await fs.uploader.abort(inode.upload)
-                if inode.staged is not None and not inode.is_local and not inode.staged.held:
-                    fs._keep_local_copy(inode)  # clean: stays readable after the next mount
-            nursery.cancel_scope.cancel()
+            await mount.reader.settle()
+            await mount.files.shutdown()
+            services.cancel_scope.cancel()
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(state)
         pyfuse3.close(unmount=True)
         if metrics_server is not None:
             metrics_server.shutdown()
-    dirty = [i for i in fs.table.all() if i.dirty and not i.unlinked]
+
+
+def _report_unmount(config: Config, mount: Mount) -> int:
+    """Say what S3 does not have yet, in the result file `ckptfs unmount` reads, and the log."""
+    table = mount.fs.table
+    dirty = [i for i in table.all() if i.dirty and not i.unlinked]
     journaled = sum(1 for i in dirty if i.upload.record is not None and i.upload.record.closed)
-    journaled += len(oplog)  # every log entry is journaled
-    pending = dirty + oplog.pending()
+    journaled += len(mount.log)  # every log entry is journaled
+    pending = dirty + mount.log.pending()
     with contextlib.suppress(OSError):
-        with open(result, "w") as f:
+        with open(result_path(config.mountpoint), "w") as f:
             json.dump({"pid": os.getpid(), "pending": len(pending), "journaled": journaled,
-                       "journal": journal.dir}, f)
+                       "journal": mount.journal.dir}, f)
     if pending:
         log.error("%d files are not in S3 (%d closed and journaled: the next mount delivers them; "
                   "the rest were never closed and are kept under %s)", len(pending), journaled,
-                  staging.dir)
+                  mount.staging.dir)
         return 1
     log.info("unmounted %s (%d write requests, %d parts streamed)", config.mountpoint,
-             fs.write_calls, fs.uploader.parts_sent)
+             mount.files.write_calls, mount.uploader.parts_sent)
     return 0
 
 
-def _on_spot_notice(fs: CheckpointFS, notice: dict) -> None:
+def _on_spot_notice(mount: Mount, notice: dict) -> None:
     """Two minutes left: uploads get the bandwidth, waiting ones retry now."""
     log.warning("spot interruption notice: %s at %s; pending uploads go first",
                 notice.get("action", "?"), notice.get("time", "?"))
-    fs.spot_notice = notice
-    fs.reader.readahead = False
-    fs.hurry()
+    mount.stats.spot_notice = notice
+    mount.reader.readahead = False
+    mount.uploader.policy.hurry.now()
 
 
-def _control_handlers(fs: CheckpointFS, stats: Stats) -> dict:
+def _control_handlers(mount: Mount) -> dict:
     async def sync(request: dict) -> dict:
-        failed = await fs.wait_in_s3(str(request.get("path", "")))
+        failed = await mount.changes.backlog.wait(str(request.get("path", "")))
         return {"failed": failed}
 
     async def status(request: dict) -> dict:
-        return stats.refresh()
+        return mount.stats.refresh()
     return {"sync": sync, "status": status}
 
 
@@ -293,21 +346,20 @@ async def _report_status(stats: Stats, notifier: Notifier) -> None:
         notifier.status(stats.line())
 
 
-async def _watch_signals(fs: CheckpointFS, drain_timeout: float, stats: Stats,
-                         notifier: Notifier) -> None:
+async def _watch_signals(mount: Mount, drain_timeout: float, notifier: Notifier) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s: refusing new writes, finishing uploads",
                      signal.Signals(signum).name)
-            fs.draining = True
-            stats.refresh()
-            notifier.stopping(stats.line())
+            mount.fs.draining = True
+            mount.stats.refresh()
+            notifier.stopping(mount.stats.line())
             with trio.move_on_after(drain_timeout) as scope:
-                await fs.drain()
-                await fs.uploader.idle.wait()
+                await mount.changes.backlog.drain()
+                await mount.uploader.idle.wait()
             if scope.cancelled_caught:
                 log.error("drain timeout (%.0fs) reached with %d uploads pending",
-                          drain_timeout, len(fs.pending()))
+                          drain_timeout, len(mount.changes.backlog.pending()))
             pyfuse3.terminate()
             return
 

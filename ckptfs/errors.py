@@ -21,6 +21,14 @@ class MountError(CkptfsError):
     """The mount cannot start: a one-line reason for the user (exit status 1)."""
 
 
+class Refused(CkptfsError):
+    """POSIX's answer to a request (ENOTEMPTY, EEXIST, ...): an errno, not a failure to log."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(errno.errorcode.get(code, str(code)))
+        self.errno = code
+
+
 class NoSuchKey(CkptfsError):
     errno = errno.ENOENT
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ckptfs.staging import StagedFile
-from ckptfs.uploader import FileUpload
+from ckptfs.uploads import FileUpload
 
 ROOT_INODE = 1
 
@@ -39,8 +39,7 @@ class Inode:
     # not defaults derived from a LIST entry.
     meta_known: bool = False
     staged: StagedFile | None = None
-    dirty: bool = False
-    generation: int = 0  # bumped by every change to the staged bytes
+    dirty: bool = False  # the staged bytes are newer than what S3 has (or will have)
     symlink_target: bytes | None = None
     lookups: int = 0
     open_handles: int = 0
@@ -69,8 +68,41 @@ class Inode:
         return (self.dirty or self.writers > 0 or self.pending > 0
                 or (self.staged is not None and self.etag is None))
 
+    @property
+    def has_object(self) -> bool:
+        """S3 holds an object for the file, or will once the ordered log is applied."""
+        return self.etag is not None or self.pending > 0 or self.read_key is not None
+
+    @property
+    def clock(self) -> int:
+        """The write clock: advances with every change of the staged bytes (the upload's
+        own, so a part knows whether it is older than the last write of its range)."""
+        return self.upload.clock
+
     def touch(self) -> None:
         self.ctime_ns = self.mtime_ns = time.time_ns()
+
+    def changed(self) -> None:
+        """The staged bytes changed: S3 must get them again."""
+        self.dirty = True
+        self.upload.clock += 1
+        self.touch()
+
+    def opened(self, writable: bool) -> None:
+        self.open_handles += 1
+        self.writers += writable
+
+    def released(self, writable: bool) -> None:
+        self.open_handles -= 1
+        self.writers -= writable
+
+    def drop_staged(self) -> None:
+        """Let go of the staged file: it is removed, unless the ordered log still holds it
+        (the log removes it once published)."""
+        if self.staged is not None:
+            if not self.staged.held:
+                self.staged.remove()
+            self.staged = None
 
 
 class InodeTable:
@@ -155,10 +187,7 @@ class InodeTable:
         if inode.ino == ROOT_INODE or inode.lookups > 0 or inode.open_handles > 0:
             return
         if inode.unlinked:
-            if inode.staged is not None:
-                if not inode.staged.held:  # else the log removes it once published
-                    inode.staged.remove()
-                inode.staged = None
+            inode.drop_staged()
         elif inode.is_local or self._children.get(inode.ino):
             return  # still named, and the only record of a local change or of children
         elif inode.staged is not None:

@@ -104,6 +104,9 @@ class Journal:
         os.chmod(self.dir, 0o700)
         self.writes = 0
 
+    def stats(self) -> dict[str, int]:
+        return {"journal_writes": self.writes}
+
     def _path(self, name: str) -> str:
         return os.path.join(self.dir, name + ".json")
 

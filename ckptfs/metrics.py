@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -22,45 +22,41 @@ from ckptfs.config import parse_addr
 from ckptfs.errors import MountError
 from ckptfs.uploader import LATENCY_BUCKETS
 
-if TYPE_CHECKING:
-    from ckptfs.fs import CheckpointFS
-
 _RATE_WINDOW = 10.0
 
 
 class Stats:
-    def __init__(self, fs: CheckpointFS, extra: dict[str, Any]) -> None:
-        self.fs = fs
+    def __init__(self, extra: dict[str, Any], components: list[Any], *,
+                 draining: Callable[[], bool],
+                 pending: Callable[[], list[tuple[str, int, str | None]]]) -> None:
         self.extra = extra  # fixed facts: pid, mount point, source, recovery report
+        self.components = components  # each has stats(): a dict of its own counters
+        self._draining = draining
+        self._pending = pending
+        self.spot_notice: dict | None = None
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
         self.snapshot: dict[str, Any] = {}
         self.refresh()
 
     def refresh(self) -> dict[str, Any]:
-        fs, up, rd = self.fs, self.fs.uploader, self.fs.reader
+        counters: dict[str, Any] = {}
+        for component in self.components:
+            counters.update(component.stats())
         now = time.monotonic()
-        self._samples.append((now, up.bytes_uploaded))
+        uploaded = counters.get("bytes_uploaded", 0)
+        self._samples.append((now, uploaded))
         while len(self._samples) > 1 and now - self._samples[0][0] > _RATE_WINDOW:
             self._samples.popleft()
         t0, b0 = self._samples[0]
-        rate = (up.bytes_uploaded - b0) / (now - t0) if now > t0 else 0.0
-        pending = [{"path": p, "size": size, "error": err} for p, size, err in fs.pending()]
+        rate = (uploaded - b0) / (now - t0) if now > t0 else 0.0
+        pending = [{"path": p, "size": size, "error": err} for p, size, err in self._pending()]
         self.snapshot = {
-            **self.extra,
-            "durability": fs.durability, "draining": fs.draining, "spot_notice": fs.spot_notice,
+            **self.extra, **counters,
+            "draining": self._draining(), "spot_notice": self.spot_notice,
             "pending": pending, "pending_files": len(pending),
             "pending_bytes": sum(p["size"] for p in pending),
             "failed": [p for p in pending if p["error"]],
-            "uploads_in_flight": up.active, "uploads_done": up.uploads_done,
-            "upload_failures": up.upload_failures, "parts_sent": up.parts_sent,
-            "retries": up.retries, "bytes_uploaded": up.bytes_uploaded,
             "upload_throughput_bytes_per_second": round(rate),
-            "bytes_downloaded": rd.bytes_downloaded, "chunk_cache_hits": rd.hits,
-            "chunk_cache_misses": rd.misses, "chunk_disk_hits": rd.disk_hits, "local_read_bytes": fs.local_read_bytes,
-            "cache_bytes": fs.cache.total, "cache_budget": fs.cache.budget,
-            "journal_writes": up.journal.writes if up.journal else 0,
-            "torn_writes": list(fs.torn_writes),
-            "latency_counts": list(up.latency_counts), "latency_sum": up.latency_sum,
         }
         return self.snapshot
 

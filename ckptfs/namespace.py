@@ -18,7 +18,7 @@ import trio
 
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import Inode, InodeTable
-from ckptfs.s3 import ListPage, ObjectInfo, S3Client
+from ckptfs.s3types import S3, ListPage, ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def _parse_mtime(text: str | None, default_ns: int) -> int:
 
 
 class Namespace:
-    def __init__(self, s3: S3Client, table: InodeTable, uid: int, gid: int, ttl: float,
+    def __init__(self, s3: S3, table: InodeTable, uid: int, gid: int, ttl: float,
                  masked: Callable[[str], bool] | None = None) -> None:
         self.s3 = s3
         # Keys (and "dir/" prefixes) S3 still shows but the mount removed: deletes and renames
@@ -113,6 +113,16 @@ class Namespace:
             inode.mtime_ns = mtime_default
         inode.ctime_ns = max(inode.ctime_ns, inode.mtime_ns)
         inode.atime_ns = max(inode.atime_ns, inode.mtime_ns)
+
+    async def reload(self, inode: Inode, key: str | None = None) -> None:
+        """HEAD the file's object (at `key`; by default its own name) and take its attributes."""
+        self.apply_object(inode, await self.s3.head(key or self.table.key_of(inode)), True)
+
+    async def symlink_target(self, inode: Inode) -> bytes:
+        if inode.symlink_target is None:
+            inode.symlink_target = await self.s3.get_range(self.table.object_key(inode), 0,
+                                                           inode.size)
+        return inode.symlink_target
 
     def _new_file(self, parent: Inode, name: str, info: ObjectInfo, with_metadata: bool) -> Inode:
         mode = stat.S_IFREG | 0o644

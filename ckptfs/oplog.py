@@ -31,7 +31,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,9 +40,10 @@ import trio
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.journal import Journal, Record
 from ckptfs.parts import PartPlan
-from ckptfs.s3 import S3Client
+from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile
-from ckptfs.uploader import FileUpload, Uploader
+from ckptfs.uploader import Uploader
+from ckptfs.uploads import FileUpload
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +78,21 @@ class Entry:
         return self.rec.size if self.rec.op == "put" else 0
 
 
-async def apply_op(s3: S3Client, rec: Record,
-                   retrying: Callable[[str, Callable[[], Awaitable[T]]], Awaitable[T]]) -> str | None:
+async def apply_op(s3: S3, rec: Record, deadline: float) -> str | None:
     """The S3 requests of an entry that is not a put; the new ETag, if the entry made one.
 
     Each is safe to repeat: recovery replays the entry whose record a crash left behind.
     """
     if rec.op == "delete":
-        await retrying(f"DELETE {rec.key}", lambda: s3.delete(rec.key))
+        await s3.delete(rec.key, deadline)
         return None
     if rec.op == "object":
         body = base64.b64decode(rec.body or "")
-        return await retrying(f"PUT {rec.key}", lambda: s3.put(rec.key, body, rec.metadata))
+        return await s3.put(rec.key, body, rec.metadata, deadline)
     if rec.op == "meta":
         try:
-            size = (await retrying(f"HEAD {rec.key}", lambda: s3.head(rec.key))).size
-            return await retrying(f"COPY {rec.key} (metadata)",
-                                  lambda: s3.copy(rec.key, rec.key, size, rec.metadata))
+            size = (await s3.head(rec.key, deadline=deadline)).size
+            return await s3.copy(rec.key, rec.key, size, rec.metadata, deadline)
         except NoSuchKey:
             log.warning("new metadata for %s: the object is gone from S3", rec.key)
             return None
@@ -103,22 +102,23 @@ async def apply_op(s3: S3Client, rec: Record,
         etag: str | None = None
         try:
             # The size the object has now, in its turn (objects over 5 GiB copy in parts).
-            size = (await retrying(f"HEAD {src}", lambda: s3.head(src))).size
-            etag = await retrying(f"COPY {src} to {rec.key}", lambda: s3.copy(src, rec.key, size))
+            size = (await s3.head(src, deadline=deadline)).size
+            etag = await s3.copy(src, rec.key, size, deadline=deadline)
         except NoSuchKey:
             # Replayed after a crash between its copy and its delete: the copy is in place.
             log.info("rename of %s to %s: the source is gone, the copy was made before", src, rec.key)
-        await retrying(f"DELETE {src}", lambda: s3.delete(src))
+        await s3.delete(src, deadline)
         return etag
     raise ValueError(f"not an S3 change: {rec.op}")
 
 
 class OrderedLog:
-    def __init__(self, journal: Journal | None, uploader: Uploader, s3: S3Client) -> None:
+    def __init__(self, journal: Journal | None, uploader: Uploader, s3: S3, *,
+                 nursery: trio.Nursery) -> None:
         self.journal = journal
         self.uploader = uploader
         self.s3 = s3
-        self.nursery: trio.Nursery | None = None  # set by the daemon: runs the entries
+        self._nursery = nursery  # runs the entries
         self._entries: dict[int, Entry] = {}  # not yet applied, in sequence order
         self._next_seq = 1
         self._append_lock = trio.Lock()
@@ -161,8 +161,7 @@ class OrderedLog:
             if effect is not None:
                 effect()
             log.debug("log entry %d: %s %s", seq, rec.op, path)
-            assert self.nursery is not None, "the log runs inside the daemon's nursery"
-            self.nursery.start_soon(self._run, entry)
+            self._nursery.start_soon(self._run, entry)
             self._notify()
             return entry
 
@@ -280,14 +279,11 @@ class OrderedLog:
         await trio.lowlevel.checkpoint()
         entry.visible = True
 
-    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        return await self.uploader.retrying(what, self.uploader.deadline(), call)
-
     async def _apply(self, entry: Entry) -> str | None:
         rec = entry.rec
         if rec.op != "put":
             await self._turn(entry)
-            return await apply_op(self.s3, rec, self._retrying)
+            return await apply_op(self.s3, rec, self.uploader.deadline())
         assert entry.staged is not None and entry.metadata is not None
         if entry.up is None:
             plan = None if rec.part_size in (0, self.uploader.plan.base_size) else PartPlan(rec.part_size)

@@ -42,7 +42,7 @@ import trio
 from ckptfs.cache import ObjectCache
 from ckptfs.errors import S3Error
 from ckptfs.parts import MiB
-from ckptfs.s3 import S3Client
+from ckptfs.s3types import S3
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,9 @@ class ReadStream:
 
 
 class ChunkReader:
-    def __init__(self, s3: S3Client, cache: ObjectCache | None = None, chunk_size: int = 8 * MiB,
-                 memory_budget: int = 192 * MiB, max_window: int = 16, get_chunks: int = 4) -> None:
+    def __init__(self, s3: S3, cache: ObjectCache | None = None, chunk_size: int = 8 * MiB,
+                 memory_budget: int = 192 * MiB, max_window: int = 16, get_chunks: int = 4, *,
+                 nursery: trio.Nursery) -> None:
         assert chunk_size % _ALIGN == 0
         self.s3 = s3
         self.cache = cache
@@ -194,7 +195,7 @@ class ChunkReader:
         self._free: list[mmap.mmap] = []
         self._chunks: OrderedDict[ChunkId, _Chunk] = OrderedDict()  # loading or loaded, LRU
         self._released = trio.Event()  # set whenever a chunk's last user lets go
-        self.nursery: trio.Nursery | None = None  # set by the daemon; holds readahead loads
+        self._nursery = nursery  # holds readahead loads, advice and writes to the disk cache
         # Local reads run in threads so the kernel's parallel readahead requests overlap the
         # disk with the FUSE loop instead of queueing behind each read.
         self._local_reads = trio.CapacityLimiter(4)
@@ -208,6 +209,10 @@ class ChunkReader:
         self.bytes_downloaded = 0
         self.gets = 0
 
+    def stats(self) -> dict[str, int]:
+        return {"bytes_downloaded": self.bytes_downloaded, "chunk_cache_hits": self.hits,
+                "chunk_cache_misses": self.misses, "chunk_disk_hits": self.disk_hits}
+
     async def read(self, key: str, etag: str, size: int, offset: int, length: int,
                    stream: ReadStream) -> bytes | memoryview:
         end = min(offset + length, size)
@@ -215,7 +220,7 @@ class ChunkReader:
             return b""
         first, last = offset // self.chunk_size, (end - 1) // self.chunk_size
         stream.advance(offset, end, self.chunk_size, self.max_window)
-        if stream.window and self.readahead and self.nursery is not None:
+        if stream.window and self.readahead:
             self._read_ahead(key, etag, size, last, stream)
         pieces: list[bytes] = []
         for k in range(first, last + 1):
@@ -264,8 +269,7 @@ class ChunkReader:
 
         def fetch_run() -> None:
             if run:
-                assert self.nursery is not None
-                self.nursery.start_soon(self._load, run.copy(), size)
+                self._nursery.start_soon(self._load, run.copy(), size)
                 run.clear()
 
         for k in range(stream.ahead + 1, stop):
@@ -306,8 +310,7 @@ class ChunkReader:
                 pass  # only a hint
             finally:
                 os.close(own)
-        assert self.nursery is not None
-        self.nursery.start_soon(advise)
+        self._nursery.start_soon(advise)
 
     async def read_local(self, fd: int, size: int, offset: int) -> bytes | memoryview:
         """Up to `size` bytes at `offset` of a local file, as a view of a mapping of it, so the
@@ -428,10 +431,7 @@ class ChunkReader:
         if self.cache is not None:
             for chunk, want in zip(chunks, wants):
                 if chunk.error is None:
-                    if self.nursery is not None:
-                        self.nursery.start_soon(self._keep, chunk)  # its readers need not wait
-                    else:
-                        await self._keep(chunk)
+                    self._nursery.start_soon(self._keep, chunk)  # its readers need not wait
 
     async def _keep(self, chunk: _Chunk) -> None:
         """Write a fetched chunk to the disk cache, then let go of its buffer."""

@@ -15,7 +15,7 @@ import trio
 
 from ckptfs.errors import UploadError
 from ckptfs.inodes import Inode
-from ckptfs.retry import Backoff, RetryPolicy
+from ckptfs.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +29,13 @@ class _Entry:
 
 class UploadQueue:
     def __init__(self, commit: Callable[[Inode], Awaitable[None]],
-                 path_of: Callable[[Inode], str], backoff: Backoff | None = None) -> None:
+                 path_of: Callable[[Inode], str], backoff: Backoff, nursery: trio.Nursery) -> None:
         self._commit = commit
         self._path_of = path_of
         self._pending: dict[int, _Entry] = {}
         self._changed = trio.Event()
-        self._backoff = backoff or RetryPolicy().changes
-        self.nursery: trio.Nursery | None = None
+        self._backoff = backoff
+        self._nursery = nursery  # runs the retries
         self.uploaded = 0
 
     def pending(self) -> list[tuple[str, int, str | None]]:
@@ -45,9 +45,8 @@ class UploadQueue:
     def add(self, inode: Inode) -> None:
         if inode.ino in self._pending or not inode.dirty or inode.unlinked:
             return
-        assert self.nursery is not None, "the queue runs inside the daemon's nursery"
         entry = self._pending[inode.ino] = _Entry(inode)
-        self.nursery.start_soon(self._run, entry)
+        self._nursery.start_soon(self._run, entry)
 
     async def _run(self, entry: _Entry) -> None:
         inode = entry.inode

@@ -27,8 +27,9 @@ from ckptfs.errors import NoSuchKey, S3Error, UploadError
 from ckptfs.journal import Journal, Record
 from ckptfs.oplog import apply_op
 from ckptfs.parts import PartPlan
-from ckptfs.s3 import S3Client
-from ckptfs.uploader import FileUpload, PartRecord, Uploader, without_mtime
+from ckptfs.s3types import S3
+from ckptfs.uploader import Uploader
+from ckptfs.uploads import FileUpload, PartRecord, without_mtime
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def _digest(fd: int, start: int, end: int) -> tuple[int, str]:
 
 
 class Recovery:
-    def __init__(self, journal: Journal, staging_dir: str, preserved_dir: str, s3: S3Client,
+    def __init__(self, journal: Journal, staging_dir: str, preserved_dir: str, s3: S3,
                  uploader: Uploader) -> None:
         self.journal = journal
         self.staging_dir = staging_dir
@@ -120,8 +121,7 @@ class Recovery:
                     continue  # set aside: its bytes are gone, and nothing can bring them back
             else:
                 try:
-                    await apply_op(self.s3, rec, lambda what, call: self.uploader.retrying(
-                        what, self.uploader.deadline(), call))
+                    await apply_op(self.s3, rec, self.uploader.deadline())
                 except S3Error as exc:
                     log.error("could not apply %s of %s from the log: %s", rec.op, rec.key, exc)
                     self.report.failed.append((rec.key, str(exc)))
@@ -129,15 +129,7 @@ class Recovery:
                 await trio.to_thread.run_sync(self.journal.remove, rec.name)
             self.report.replayed += 1
             if rec.orphan_key and rec.orphan_id:
-                await self._abort_quietly(rec.orphan_key, rec.orphan_id)
-
-    async def _abort_quietly(self, key: str, upload_id: str) -> None:
-        try:
-            await self.s3.abort_multipart(key, upload_id)
-        except NoSuchKey:
-            pass
-        except S3Error as exc:
-            log.warning("could not abort the upload of %s: %s", key, exc)
+                await self.s3.abort_quietly(rec.orphan_key, rec.orphan_id)
 
     async def _abort_intents(self, records: list[Record], owned: set[str]) -> None:
         """Abort uploads of a key that a record meant to create (`intent`) and that no record
@@ -158,7 +150,7 @@ class Recovery:
             for upload_key, upload_id, initiated in uploads:
                 if upload_key != key or upload_id in owned or initiated < intent - _CLOCK_SKEW:
                     continue
-                await self._abort_quietly(key, upload_id)
+                await self.s3.abort_quietly(key, upload_id)
                 self.report.intents_aborted += 1
                 log.info("aborted the upload of %s that a crash left before its id was journaled",
                          key)
@@ -173,14 +165,9 @@ class Recovery:
 
     async def _abort(self, rec: Record) -> None:
         if rec.upload_id:
-            try:
-                await self.s3.abort_multipart(rec.key, rec.upload_id)
-                self.report.aborted += 1
-            except NoSuchKey:
-                pass
-            except S3Error as exc:
-                log.warning("could not abort the upload of unclosed %s: %s", rec.key, exc)
+            if not await self.s3.abort_quietly(rec.key, rec.upload_id):
                 return  # the record keeps owning it; the next mount tries again
+            self.report.aborted += 1
         await trio.to_thread.run_sync(self.journal.remove, rec.name)
 
     async def _deliver(self, rec: Record) -> bool:
@@ -282,10 +269,7 @@ class Recovery:
         for key, upload_id, initiated in uploads:
             if upload_id in owned or initiated > cutoff:
                 continue
-            try:
-                await self.s3.abort_multipart(key, upload_id)
+            if await self.s3.abort_quietly(key, upload_id):
                 self.report.orphans_aborted += 1
                 log.info("aborted stale multipart upload of %s (started %s)", key,
                          time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(initiated)))
-            except (NoSuchKey, S3Error) as exc:
-                log.warning("could not abort stale upload of %s: %s", key, exc)

@@ -4,6 +4,12 @@ boto3 blocks, so every call runs in a worker thread under one CapacityLimiter
 shared by the whole mount; the connection pool is sized to that limiter.
 Errors leave this module as domain exceptions (NoSuchKey, S3Error), never as
 botocore types.
+
+Every request is retried here, by the one policy of retry.py, while its error is
+transient (`S3Error.retryable`): whether a request is retried depends on the request
+and the error, never on the caller. The caller may pass a `deadline` (trio time: an
+upload's); otherwise a request is retried for `timeout` seconds (`--upload-timeout`).
+botocore's own retries are off, so attempts never multiply.
 """
 
 from __future__ import annotations
@@ -13,41 +19,31 @@ import http.client
 import datetime as dt
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import boto3
 import botocore.config
 import botocore.exceptions
 import trio
 
+from ckptfs.bodies import FileRange, crc_of_range, scatter
 from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.parts import GiB
+from ckptfs.retry import RetryPolicy
+from ckptfs.s3types import ListPage, ObjectInfo
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # CopyObject copies at most 5 GiB; larger objects go through UploadPartCopy.
 COPY_LIMIT = 5 * GiB
 COPY_PART_SIZE = 1 * GiB
 _DELETE_BATCH = 1000
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    size: int
-    etag: str
-    last_modified: float
-    metadata: dict[str, str] = field(default_factory=dict)
-    checksum_crc32: str | None = None  # S3's full-object CRC32, where the server keeps one
-
-
-@dataclass(frozen=True)
-class ListPage:
-    prefixes: list[str]
-    objects: list[ObjectInfo]
+# Parts up to this size are sent from memory; larger ones stream from the staged file.
+_IN_MEMORY_PART = 32 << 20
 
 
 def _timestamp(value: Any) -> float:
@@ -86,7 +82,7 @@ _S3_CONFIG = {"payload_signing_enabled": False}
 
 def make_boto_client(endpoint_url: str | None, region: str | None, profile: str | None,
                      pool: int, connect_timeout: float = 5, read_timeout: float = 60,
-                     max_attempts: int = 3) -> Any:
+                     max_attempts: int = 1) -> Any:
     session = boto3.session.Session(profile_name=profile)
     config = botocore.config.Config(
         max_pool_connections=pool,
@@ -116,12 +112,7 @@ def _read_body_into(key: str, body: Any, outs: list[memoryview],
             data = body.read()
         if len(data) != total:
             raise S3Error(f"GET {key}: short body ({len(data)} of {total} bytes)", retryable=True)
-        pos = 0
-        for i, out in enumerate(outs):
-            out[:] = data[pos:pos + len(out)]
-            pos += len(out)
-            if filled is not None:
-                filled(i)
+        scatter(data, outs, filled)
         return
     got_all = 0
     try:
@@ -150,22 +141,33 @@ def _read_body_into(key: str, body: Any, outs: list[memoryview],
 class S3Client:
     """Async facade over one bucket. Keys passed in are full keys."""
 
-    def __init__(self, boto_client: Any, bucket: str, limiter: trio.CapacityLimiter) -> None:
+    def __init__(self, boto_client: Any, bucket: str, limiter: trio.CapacityLimiter,
+                 policy: RetryPolicy | None = None, timeout: float = 120.0) -> None:
         self._c = boto_client
         self.bucket = bucket
         self.limiter = limiter
+        self.policy = policy or RetryPolicy()
+        self.timeout = timeout  # how long a request without a deadline of its own is retried
 
-    async def _call(self, op: str, key: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+    async def _retried(self, what: str, deadline: float | None,
+                       attempt: Callable[[], Awaitable[T]]) -> T:
+        if deadline is None:
+            deadline = trio.current_time() + self.timeout
+        return await self.policy.call(what, deadline, attempt)
+
+    async def _call(self, op: str, key: str, fn: Callable[..., Any], deadline: float | None = None,
+                    **kwargs: Any) -> Any:
         def run() -> Any:
             with _mapped(op, key):
                 return fn(Bucket=self.bucket, **kwargs)
-        return await trio.to_thread.run_sync(run, limiter=self.limiter)
+        return await self._retried(f"{op} {key}", deadline,
+                                   lambda: trio.to_thread.run_sync(run, limiter=self.limiter))
 
-    async def head(self, key: str, checksum: bool = False) -> ObjectInfo:
+    async def head(self, key: str, checksum: bool = False, deadline: float | None = None) -> ObjectInfo:
         kwargs: dict[str, Any] = {"Key": key}
         if checksum:
             kwargs["ChecksumMode"] = "ENABLED"
-        r = await self._call("HEAD", key, self._c.head_object, **kwargs)
+        r = await self._call("HEAD", key, self._c.head_object, deadline, **kwargs)
         return ObjectInfo(key, r["ContentLength"], r.get("ETag", ""), _timestamp(r.get("LastModified")),
                           dict(r.get("Metadata", {})), r.get("ChecksumCRC32"))
 
@@ -225,19 +227,29 @@ class S3Client:
         """One ranged GET of the bytes from `start` that fill the buffers `outs` in order.
         `filled(i)` runs in the worker thread as soon as outs[i] is full (the rest may still
         fail). Fewer, larger GETs cost the client and the server less CPU per byte."""
-        length = sum(len(out) for out in outs)
-        kwargs: dict[str, Any] = {"Key": key, "Range": f"bytes={start}-{start + length - 1}"}
-        if etag:
-            kwargs["IfMatch"] = etag
+        full = [0]  # buffers filled so far, in order: a retry asks only for the rest
+
+        def done(i: int) -> None:
+            full[0] = i + 1
+            if filled is not None:
+                filled(i)
 
         def run() -> None:
+            first = full[0]
+            rest = outs[first:]
+            offset = start + sum(len(out) for out in outs[:first])
+            length = sum(len(out) for out in rest)
+            kwargs: dict[str, Any] = {"Key": key, "Range": f"bytes={offset}-{offset + length - 1}"}
+            if etag:
+                kwargs["IfMatch"] = etag
             with _mapped("GET", key):
                 r = self._c.get_object(Bucket=self.bucket, **kwargs)
             if r.get("ContentLength", length) != length:
                 r["Body"].close()
                 raise S3Error(f"GET {key}: {r.get('ContentLength')} bytes for a range of {length}")
-            _read_body_into(key, r["Body"], outs, filled)
-        await trio.to_thread.run_sync(run, limiter=self.limiter)
+            _read_body_into(key, r["Body"], rest, lambda i: done(first + i))
+        await self._retried(f"GET {key}", None,
+                            lambda: trio.to_thread.run_sync(run, limiter=self.limiter))
 
     async def download_to(self, key: str, fd: int, size: int, chunk: int, etag: str | None = None) -> None:
         """Fetch a whole object into `fd` with parallel ranged GETs, chunk bytes each."""
@@ -250,43 +262,72 @@ class S3Client:
             for start in range(0, size, chunk):
                 nursery.start_soon(one, start)
 
-    async def put(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
+    async def put(self, key: str, body: bytes, metadata: dict[str, str],
+                  deadline: float | None = None) -> str:
         """PutObject with a CRC32 the server verifies and keeps as the object's checksum."""
-        def run() -> str:
-            with _mapped("PUT", key):
-                r = self._c.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata,
-                                       ChecksumCRC32=b64_crc32(crc32(body)))
-                return r.get("ETag", "")
-        return await trio.to_thread.run_sync(run, limiter=self.limiter)
+        r = await self._call("PUT", key, self._c.put_object, deadline, Key=key, Body=body,
+                             Metadata=metadata, ChecksumCRC32=b64_crc32(crc32(body)))
+        return r.get("ETag", "")
 
-    async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True) -> str:
+    async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True,
+                               deadline: float | None = None) -> str:
         """With `checksum`, every part carries a CRC32 and the object gets a FULL_OBJECT CRC32."""
         kwargs: dict[str, Any] = {}
         if checksum:
             kwargs.update(ChecksumAlgorithm="CRC32", ChecksumType="FULL_OBJECT")
         r = await self._call("CreateMultipartUpload", key, self._c.create_multipart_upload,
-                             Key=key, Metadata=metadata, **kwargs)
+                             deadline, Key=key, Metadata=metadata, **kwargs)
         return r["UploadId"]
 
-    def upload_part_sync(self, key: str, upload_id: str, number: int, body: Any, crc: int) -> str:
-        """Upload one part from a file-like body whose CRC32 is `crc`; call from a worker thread."""
-        with _mapped(f"UploadPart {number}", key):
-            r = self._c.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                                    Body=body, ChecksumCRC32=b64_crc32(crc))
-        return r["ETag"]
+    async def upload_part(self, key: str, upload_id: str, number: int, fd: int, start: int,
+                          size: int, deadline: float | None = None) -> tuple[str, int]:
+        """Upload bytes [start, start + size) of `fd` as part `number`, with their CRC32
+        (which the server checks: a part damaged on the way is refused, and sent again).
+        Returns (ETag, CRC32)."""
+        def run() -> tuple[str, int]:
+            if size <= _IN_MEMORY_PART:
+                # One read into memory, then checksum, signing and send all work on it: on
+                # small machines the extra passes over the staged file cost more than the RAM.
+                body: Any = os.pread(fd, size, start)
+                if len(body) != size:
+                    raise S3Error("the staged file is shorter than its recorded size",
+                                  retryable=False)
+                crc = crc32(body)
+            else:
+                crc = crc_of_range(fd, start, size)
+                body = FileRange(fd, start, size)
+            with _mapped(f"UploadPart {number}", key):
+                r = self._c.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                        PartNumber=number, Body=body, ChecksumCRC32=b64_crc32(crc))
+            return r["ETag"], crc
+        return await self._retried(f"UploadPart {number} of {key}", deadline,
+                                   lambda: trio.to_thread.run_sync(run, limiter=self.limiter))
 
     async def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]],
-                                 crc: int | None = None) -> str:
+                                 crc: int | None = None, deadline: float | None = None) -> str:
         kwargs: dict[str, Any] = {}
         if crc is not None:
             kwargs.update(ChecksumCRC32=b64_crc32(crc), ChecksumType="FULL_OBJECT")
         r = await self._call("CompleteMultipartUpload", key, self._c.complete_multipart_upload,
-                             Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}, **kwargs)
+                             deadline, Key=key, UploadId=upload_id,
+                             MultipartUpload={"Parts": parts}, **kwargs)
         return r.get("ETag", "")
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         await self._call("AbortMultipartUpload", key, self._c.abort_multipart_upload,
                          Key=key, UploadId=upload_id)
+
+    async def abort_quietly(self, key: str, upload_id: str) -> bool:
+        """Abort a multipart upload; True once it is gone (now, or already before). A refusal
+        is logged, and the upload stays for the next mount's sweep."""
+        try:
+            await self.abort_multipart(key, upload_id)
+        except NoSuchKey:
+            pass
+        except S3Error as exc:
+            log.warning("could not abort the multipart upload of %s: %s", key, exc)
+            return False
+        return True
 
     async def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]:
         """Part number -> (size, ETag) of every part S3 holds for the multipart upload."""
@@ -317,13 +358,14 @@ class S3Client:
             kwargs.update(KeyMarker=r.get("NextKeyMarker", ""),
                           UploadIdMarker=r.get("NextUploadIdMarker", ""))
 
-    async def copy(self, src: str, dst: str, size: int, metadata: dict[str, str] | None = None) -> str:
+    async def copy(self, src: str, dst: str, size: int, metadata: dict[str, str] | None = None,
+                   deadline: float | None = None) -> str:
         """Server-side copy, returning the new ETag; `metadata` replaces the source's when given."""
         if size <= COPY_LIMIT:
             kwargs: dict[str, Any] = {"Key": dst, "CopySource": {"Bucket": self.bucket, "Key": src}}
             if metadata is not None:
                 kwargs.update(MetadataDirective="REPLACE", Metadata=metadata)
-            r = await self._call("COPY", dst, self._c.copy_object, **kwargs)
+            r = await self._call("COPY", dst, self._c.copy_object, deadline, **kwargs)
             return r.get("CopyObjectResult", {}).get("ETag", "")
         if metadata is None:
             metadata = (await self.head(src)).metadata
@@ -350,8 +392,8 @@ class S3Client:
                     await self.abort_multipart(dst, upload_id)
             raise
 
-    async def delete(self, key: str) -> None:
-        await self._call("DELETE", key, self._c.delete_object, Key=key)
+    async def delete(self, key: str, deadline: float | None = None) -> None:
+        await self._call("DELETE", key, self._c.delete_object, deadline, Key=key)
 
     async def delete_many(self, keys: list[str]) -> None:
         for i in range(0, len(keys), _DELETE_BATCH):

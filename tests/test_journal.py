@@ -11,8 +11,7 @@ import trio.testing
 
 from ckptfs.errors import S3Error, UploadError
 from ckptfs.journal import BadRecord, Journal, PartDone, Record
-from ckptfs.parts import PartPlan
-from ckptfs.uploader import Uploader
+from ckptfs.retry import RetryPolicy
 
 MiB = 1024 * 1024
 
@@ -65,13 +64,23 @@ class FlakyCall:
         return "ok"
 
 
-def _uploader(timeout: float) -> Uploader:
-    return Uploader(s3=None, plan=PartPlan(5 * MiB), concurrency=1, upload_timeout=timeout)  # type: ignore[arg-type]
+class _Policy(RetryPolicy):
+    """The retry policy with the deadline of an upload that started now."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__()
+        self.timeout = timeout
+
+    def deadline(self) -> float:
+        return trio.current_time() + self.timeout
+
+    async def retrying(self, what: str, deadline: float, call):  # type: ignore[no-untyped-def]
+        return await self.call(what, deadline, call)
 
 
 def test_transient_faults_are_retried_and_counted() -> None:
     async def main() -> None:
-        up = _uploader(60)
+        up = _Policy(60)
         for error in (S3Error("x", "SlowDown", 503), S3Error("x", "InternalError", 500),
                       S3Error("x", "ConnectionClosedError", None, True), S3Error("x", "BadDigest", 400)):
             call = FlakyCall(3, error)
@@ -83,7 +92,7 @@ def test_transient_faults_are_retried_and_counted() -> None:
 
 def test_permanent_faults_fail_at_once() -> None:
     async def main() -> None:
-        up = _uploader(60)
+        up = _Policy(60)
         call = FlakyCall(1, S3Error("denied", "AccessDenied", 403))
         with pytest.raises(S3Error, match="denied"):
             await up.retrying("op", up.deadline(), call)
@@ -93,7 +102,7 @@ def test_permanent_faults_fail_at_once() -> None:
 
 def test_an_outage_longer_than_the_upload_timeout_gives_up_with_a_reason() -> None:
     async def main() -> None:
-        up = _uploader(30)
+        up = _Policy(30)
         start = trio.current_time()
         call = FlakyCall(10**6, S3Error("down", "ServiceUnavailable", 503))
         with pytest.raises(UploadError, match=r"gave up after \d+ attempts in \d+s: down"):

@@ -10,7 +10,7 @@ import trio.testing
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.namespace import Namespace, valid_name
-from ckptfs.s3 import ListPage, ObjectInfo
+from ckptfs.s3types import ListPage, ObjectInfo
 
 
 class FakeListing:

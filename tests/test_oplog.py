@@ -7,100 +7,21 @@ to show on cue. The end-to-end checks are in test_crash.py, against SeaweedFS.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import threading
 from pathlib import Path
 
 import trio
 import trio.testing
 
-from ckptfs.checksum import b64_crc32, crc32
-from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.journal import Journal, Record
 from ckptfs.oplog import OrderedLog
 from ckptfs.parts import PartPlan
-from ckptfs.s3 import ObjectInfo
 from ckptfs.staging import StagingArea
-from ckptfs.uploader import FileUpload, Uploader
+from ckptfs.uploader import Uploader
+from ckptfs.uploads import FileUpload
+from fakes3 import MemoryS3 as FakeS3
 
 MiB = 1024 * 1024
-
-
-class FakeS3:
-    """Objects in a dict; `visible` lists every change that S3 readers could see, in order."""
-
-    def __init__(self) -> None:
-        self.limiter = trio.CapacityLimiter(16)
-        self.objects: dict[str, bytes] = {}
-        self.etags: dict[str, str] = {}
-        self.uploads: dict[str, tuple[str, dict[int, bytes]]] = {}
-        self.visible: list[tuple[str, str]] = []
-        self.part_gate = threading.Event()
-        self.part_gate.set()
-        self.fail_puts = 0  # PutObject answers 503 this many times
-        self.fail_for: dict[str, int] = {}  # ... for this key
-        self._n = 0
-
-    async def put(self, key: str, body: bytes, metadata: dict[str, str]) -> str:
-        if self.fail_puts or self.fail_for.get(key):
-            if self.fail_for.get(key):
-                self.fail_for[key] -= 1
-            else:
-                self.fail_puts -= 1
-            raise S3Error("503 SlowDown", "SlowDown", 503)
-        self.objects[key] = bytes(body)
-        self.visible.append(("put", key))
-        self.etags[key] = hashlib.md5(body).hexdigest()
-        return self.etags[key]
-
-    async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True) -> str:
-        self._n += 1
-        upload_id = f"u{self._n}"
-        self.uploads[upload_id] = (key, {})
-        return upload_id
-
-    def upload_part_sync(self, key: str, upload_id: str, number: int, body, crc: int) -> str:
-        self.part_gate.wait(10)
-        data = body if isinstance(body, bytes) else body.read()
-        if upload_id not in self.uploads:
-            raise NoSuchKey(f"NoSuchUpload {upload_id}")
-        self.uploads[upload_id][1][number] = data
-        return hashlib.md5(data).hexdigest()
-
-    async def complete_multipart(self, key: str, upload_id: str, parts, crc=None) -> str:
-        _, have = self.uploads.pop(upload_id)
-        data = b"".join(have[p["PartNumber"]] for p in parts)
-        self.objects[key] = data
-        self.visible.append(("complete", key))
-        self.etags[key] = hashlib.md5(data).hexdigest() + f"-{len(parts)}"
-        return self.etags[key]
-
-    async def abort_multipart(self, key: str, upload_id: str) -> None:
-        if self.uploads.pop(upload_id, None) is None:
-            raise NoSuchKey(upload_id)
-
-    async def head(self, key: str, checksum: bool = False) -> ObjectInfo:
-        if key not in self.objects:
-            raise NoSuchKey(key)
-        data = self.objects[key]
-        return ObjectInfo(key, len(data), self.etags[key], 0.0, {}, b64_crc32(crc32(data)))
-
-    async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
-        return [(key, upload_id, 0.0) for upload_id, (key, _) in self.uploads.items()
-                if key.startswith(prefix)]
-
-    async def delete(self, key: str) -> None:
-        self.objects.pop(key, None)
-        self.visible.append(("delete", key))
-
-    async def copy(self, src: str, dst: str, size: int, metadata=None) -> str:
-        if src not in self.objects:
-            raise NoSuchKey(src)
-        self.objects[dst] = self.objects[src]
-        self.visible.append(("copy", dst))
-        self.etags[dst] = hashlib.md5(self.objects[dst]).hexdigest()
-        return self.etags[dst]
 
 
 def records(cache: Path) -> list[Record]:
@@ -108,11 +29,12 @@ def records(cache: Path) -> list[Record]:
     return [Record.decode(p.read_bytes()) for p in (cache / "journal").glob("*.json")]
 
 
-def make(tmp_path: Path, s3: FakeS3) -> tuple[OrderedLog, StagingArea, Journal]:
+def make(tmp_path: Path, s3: FakeS3, nursery: trio.Nursery) -> tuple[OrderedLog, StagingArea, Journal]:
     journal = Journal(str(tmp_path))
-    uploader = Uploader(s3, PartPlan(5 * MiB), 4, stream_while_writing=False, journal=journal,
-                        upload_timeout=0.5)  # type: ignore[arg-type]
-    return OrderedLog(journal, uploader, s3), StagingArea(str(tmp_path)), journal  # type: ignore[arg-type]
+    uploader = Uploader(s3, PartPlan(5 * MiB), 4, stream_while_writing=False, journal=journal,  # type: ignore[arg-type]
+                        upload_timeout=0.5, nursery=nursery)
+    return (OrderedLog(journal, uploader, s3, nursery=nursery),  # type: ignore[arg-type]
+            StagingArea(str(tmp_path)), journal)
 
 
 async def put(log: OrderedLog, staging: StagingArea, key: str, data: bytes, fresh: bool = True):
@@ -125,10 +47,9 @@ async def put(log: OrderedLog, staging: StagingArea, key: str, data: bytes, fres
 
 async def test_a_small_marker_waits_for_the_big_file_before_it(tmp_path: Path) -> None:
     s3 = FakeS3()
-    log, staging, journal = make(tmp_path, s3)
     s3.part_gate.clear()  # the big file's parts crawl
     async with trio.open_nursery() as nursery:
-        log.nursery = nursery
+        log, staging, journal = make(tmp_path, s3, nursery)
         await put(log, staging, "ck/model.pt", os.urandom(11 * MiB))
         await put(log, staging, "ck/COMPLETE", b"done")
         await log.append(Record("", "old/model.pt", True, op="delete"), "old/model.pt",
@@ -147,10 +68,9 @@ async def test_a_small_marker_waits_for_the_big_file_before_it(tmp_path: Path) -
 
 async def test_a_failing_entry_holds_everything_after_it(tmp_path: Path) -> None:
     s3 = FakeS3()
-    log, staging, journal = make(tmp_path, s3)
     s3.fail_puts = 10**6
     async with trio.open_nursery() as nursery:
-        log.nursery = nursery
+        log, staging, journal = make(tmp_path, s3, nursery)
         await put(log, staging, "a", b"first")
         await log.append(Record("", "b", True, op="object", body=""), "b")
         with trio.fail_after(10):
@@ -166,11 +86,10 @@ async def test_a_failing_entry_holds_everything_after_it(tmp_path: Path) -> None
 
 async def test_a_rename_retargets_the_last_put_and_never_copies(tmp_path: Path) -> None:
     s3 = FakeS3()
-    log, staging, journal = make(tmp_path, s3)
     s3.part_gate.clear()
     moved = []
     async with trio.open_nursery() as nursery:
-        log.nursery = nursery
+        log, staging, journal = make(tmp_path, s3, nursery)
         data = os.urandom(11 * MiB)
         entry = await put(log, staging, "ck.pt.tmp", data)
         await trio.sleep(0.2)  # its upload is created under the old key, parts in flight
@@ -187,9 +106,8 @@ async def test_a_rename_retargets_the_last_put_and_never_copies(tmp_path: Path) 
 
 async def test_no_retarget_once_another_entry_follows(tmp_path: Path) -> None:
     s3 = FakeS3()
-    log, staging, _ = make(tmp_path, s3)
     async with trio.open_nursery() as nursery:
-        log.nursery = nursery
+        log, staging, _ = make(tmp_path, s3, nursery)
         entry = await put(log, staging, "x.tmp", b"x")
         await put(log, staging, "y", b"y")
         assert not await log.retarget(entry, "x", "x", lambda: None)
@@ -205,11 +123,11 @@ async def test_a_retarget_is_never_overwritten_by_the_old_uploads_record(tmp_pat
     was already waiting for the record's lock must not put the old key back (a crash would
     then publish the temp name: seen as an extra latest.pt.tmp by the crash checker)."""
     s3 = FakeS3()
-    log, staging, journal = make(tmp_path, s3)
     up = FileUpload(journal_name="run-1", record=Record("run-1", "ck.pt.tmp", True, 5, seq=1))
     async with trio.open_nursery() as nursery:
+        log, staging, journal = make(tmp_path, s3, nursery)
         async with up.record_lock:  # the retarget holds the lock...
-            nursery.start_soon(log.uploader._save, up,
+            nursery.start_soon(log.uploader.records.save, up,
                                Record("run-1", "ck.pt.tmp", True, 5, seq=1, intent=1.0))
             await trio.testing.wait_all_tasks_blocked()  # ...while the old write waits for it
             up.journal_name = None
@@ -222,10 +140,9 @@ async def test_a_put_that_waited_for_its_turn_gets_a_fresh_deadline(tmp_path: Pa
     """Its first transient fault after a long wait is retried within the attempt, not
     turned into a failed attempt because the deadline passed while it waited."""
     s3 = FakeS3()
-    log, staging, _ = make(tmp_path, s3)  # --upload-timeout 0.5 s
     s3.fail_for["a"] = 10**6
     async with trio.open_nursery() as nursery:
-        log.nursery = nursery
+        log, staging, _ = make(tmp_path, s3, nursery)  # --upload-timeout 0.5 s
         await put(log, staging, "a", b"a")
         b = await put(log, staging, "b", b"b")
         await trio.sleep(1.0)  # b waits behind a for longer than the upload timeout
@@ -240,7 +157,7 @@ async def test_recovery_goes_on_past_a_set_aside_put_after_another_record_failed
     from ckptfs.recovery import Recovery
 
     s3 = FakeS3()
-    _, staging, journal = make(tmp_path, s3)
+    journal, staging = Journal(str(tmp_path)), StagingArea(str(tmp_path))
     s3.objects["gone"] = b"old"
     # A close-mode record S3 will not take, a log put whose staged file is lost, a log delete.
     staged = staging.new_file()
@@ -250,9 +167,11 @@ async def test_recovery_goes_on_past_a_set_aside_put_after_another_record_failed
     journal.write(Record(name, "close-mode", True, 1))
     journal.write(Record("lost-1", "lost", True, 5, seq=1))
     journal.write(Record("op-000000000002", "gone", True, op="delete", seq=2))
-    uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal, upload_timeout=0.3)  # type: ignore[arg-type]
-    report = await Recovery(journal, staging.dir, str(tmp_path / "preserved"), s3,  # type: ignore[arg-type]
-                            uploader).run("", 86400)
+    async with trio.open_nursery() as nursery:
+        uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal, upload_timeout=0.3,  # type: ignore[arg-type]
+                            nursery=nursery)
+        report = await Recovery(journal, staging.dir, str(tmp_path / "preserved"), s3,  # type: ignore[arg-type]
+                                uploader).run("", 86400)
     assert [k for k, _ in report.failed] == ["close-mode"]
     assert [k for k, _ in report.set_aside] == ["lost-1"]
     assert "gone" not in s3.objects and report.replayed == 1  # the delete was still applied

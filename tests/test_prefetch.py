@@ -62,8 +62,7 @@ async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_righ
     s3 = SlowS3(objects)
     # Two buffers for eight sequential readers with windows of up to eight chunks each, and
     # random readers besides: demand reads must wait for buffers, never deadlock.
-    reader = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK,  # type: ignore[arg-type]
-                         memory_budget=2 * CHUNK, max_window=8)
+    reader: ChunkReader
 
     async def sequential(key: str) -> None:
         data, stream, got = objects[key], ReadStream(), []
@@ -79,7 +78,9 @@ async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_righ
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            reader.nursery = nursery
+            reader = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30),  # type: ignore[arg-type]
+                                 chunk_size=CHUNK, memory_budget=2 * CHUNK, max_window=8,
+                                 nursery=nursery)
             for key in objects:
                 nursery.start_soon(sequential, key)
             for key in list(objects)[:3]:
@@ -94,11 +95,10 @@ async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_righ
 async def test_readahead_fetches_runs_of_chunks_with_one_get_each(tmp_path: Path) -> None:
     data = content("big", 32 * CHUNK + 1)
     s3 = SlowS3({"big": data})
-    reader = ChunkReader(s3, None, chunk_size=CHUNK, memory_budget=16 * CHUNK,  # type: ignore[arg-type]
-                         max_window=8, get_chunks=4)
     got, stream = [], ReadStream()
     async with trio.open_nursery() as nursery:
-        reader.nursery = nursery
+        reader = ChunkReader(s3, None, chunk_size=CHUNK, memory_budget=16 * CHUNK,  # type: ignore[arg-type]
+                             max_window=8, get_chunks=4, nursery=nursery)
         for off in range(0, len(data), 32 * KiB):
             got.append(bytes(await reader.read("big", "e", len(data), off, 32 * KiB, stream)))
     assert b"".join(got) == data
@@ -110,12 +110,11 @@ async def test_a_chunk_of_a_run_is_served_before_the_rest_of_its_get_arrives(tmp
     data = content("k", 16 * CHUNK)
     s3 = SlowS3({"k": data})
     s3.hold = trio.Event()
-    reader = ChunkReader(s3, None, chunk_size=CHUNK, memory_budget=16 * CHUNK,  # type: ignore[arg-type]
-                         max_window=8, get_chunks=4)
     stream = ReadStream()
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            reader.nursery = nursery
+            reader = ChunkReader(s3, None, chunk_size=CHUNK, memory_budget=16 * CHUNK,  # type: ignore[arg-type]
+                                 max_window=8, get_chunks=4, nursery=nursery)
             for off in range(0, 2 * CHUNK, 16 * KiB):  # sequential: readahead of runs begins
                 await reader.read("k", "e", len(data), off, 16 * KiB, stream)
             # Chunk 2 heads a run whose GET is held after its first buffer: it is served anyway.
@@ -132,13 +131,12 @@ async def test_a_run_that_fails_midway_keeps_its_full_chunks_and_refetches_the_r
     data = content("k", 12 * CHUNK)
     s3 = SlowS3({"k": data})
     cache = ObjectCache(str(tmp_path), 1 << 30)
-    reader = ChunkReader(s3, cache, chunk_size=CHUNK, memory_budget=16 * CHUNK,  # type: ignore[arg-type]
-                         max_window=8, get_chunks=4)
     s3.fail_after_first = True
     got, stream = [], ReadStream()
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            reader.nursery = nursery
+            reader = ChunkReader(s3, cache, chunk_size=CHUNK, memory_budget=16 * CHUNK,  # type: ignore[arg-type]
+                                 max_window=8, get_chunks=4, nursery=nursery)
             for off in range(0, len(data), 16 * KiB):
                 got.append(bytes(await reader.read("k", "e", len(data), off, 16 * KiB, stream)))
     assert b"".join(got) == data  # readahead failures cost refetches, never errors
@@ -154,16 +152,18 @@ async def test_fetched_chunks_are_kept_on_disk_and_served_from_there(tmp_path: P
     s3 = SlowS3({"k": data})
     cache = ObjectCache(str(tmp_path), 1 << 30)
     async with trio.open_nursery() as nursery:
-        reader = ChunkReader(s3, cache, chunk_size=CHUNK, memory_budget=2 * CHUNK)  # type: ignore[arg-type]
-        reader.nursery = nursery
+        reader = ChunkReader(s3, cache, chunk_size=CHUNK, memory_budget=2 * CHUNK,  # type: ignore[arg-type]
+                             nursery=nursery)
         for off in range(0, len(data), CHUNK):
             await reader.read("k", "e", len(data), off, CHUNK, ReadStream())
     files = sorted((tmp_path / "cache").iterdir())
     assert sorted(p.stat().st_size for p in files) == [5, CHUNK, CHUNK, CHUNK]  # padding dropped
     gets = s3.gets
-    again = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK)  # type: ignore[arg-type]
-    got = [bytes(await again.read("k", "e", len(data), off, 1000, ReadStream()))
-           for off in range(0, len(data), 1000)]
+    async with trio.open_nursery() as nursery:
+        again = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK,  # type: ignore[arg-type]
+                            nursery=nursery)
+        got = [bytes(await again.read("k", "e", len(data), off, 1000, ReadStream()))
+               for off in range(0, len(data), 1000)]
     assert b"".join(got) == data and s3.gets == gets
     assert again.disk_hits >= len(got) and again.hits == 0  # a read across two chunk files counts two
 
@@ -172,13 +172,15 @@ async def test_a_torn_chunk_file_is_dropped_and_fetched_again(tmp_path: Path) ->
     data = content("k", 2 * CHUNK)
     s3 = SlowS3({"k": data})
     async with trio.open_nursery() as nursery:
-        reader = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK)  # type: ignore[arg-type]
-        reader.nursery = nursery
+        reader = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK,  # type: ignore[arg-type]
+                             nursery=nursery)
         await reader.read("k", "e", len(data), 0, 10, ReadStream())
     (entry,) = (tmp_path / "cache").iterdir()
     os.truncate(entry, 1000)  # a crash wrote it only in part (the sizes are in the index)
-    again = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK)  # type: ignore[arg-type]
-    assert bytes(await again.read("k", "e", len(data), 500, 1000, ReadStream())) == data[500:1500]
+    async with trio.open_nursery() as nursery:
+        again = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK,  # type: ignore[arg-type]
+                            nursery=nursery)
+        assert bytes(await again.read("k", "e", len(data), 500, 1000, ReadStream())) == data[500:1500]
     assert s3.gets == 2
 
 
@@ -199,20 +201,21 @@ async def test_local_reads_answer_exact_bytes_whether_or_not_their_pages_are_in_
     loads = []
     real_load = LocalView.load
     monkeypatch.setattr(LocalView, "load", lambda self, fd: (loads.append(self.offset), real_load(self, fd)))
-    reader = ChunkReader(None)  # type: ignore[arg-type]
     fd = os.open(path, os.O_RDONLY)
     try:
-        _evict_pages(path)
-        assert not LocalView(fd, 4096, 8192).resident()
-        # Offsets off the page grid, ranges past the end, the last byte, nothing at all.
-        for off, n in [(0, 128 * KiB), (5, 1000), (4097, 1024 * KiB), (len(data) - 1, 10),
-                       (len(data) - 5000, 1 << 20), (len(data), 10), (len(data) + 4096, 10)]:
-            assert bytes(await reader.read_local(fd, n, off)) == data[off:off + n]
-        assert loads, "the pages were out of memory: they must be loaded in a thread"
-        loads.clear()
-        assert LocalView(fd, 0, 128 * KiB).resident()  # read once: in the page cache now
-        assert bytes(await reader.read_local(fd, 100, 200)) == data[200:300]
-        assert loads == []  # served straight from memory
+        async with trio.open_nursery() as nursery:
+            reader = ChunkReader(None, nursery=nursery)  # type: ignore[arg-type]
+            _evict_pages(path)
+            assert not LocalView(fd, 4096, 8192).resident()
+            # Offsets off the page grid, ranges past the end, the last byte, nothing at all.
+            for off, n in [(0, 128 * KiB), (5, 1000), (4097, 1024 * KiB), (len(data) - 1, 10),
+                           (len(data) - 5000, 1 << 20), (len(data), 10), (len(data) + 4096, 10)]:
+                assert bytes(await reader.read_local(fd, n, off)) == data[off:off + n]
+            assert loads, "the pages were out of memory: they must be loaded in a thread"
+            loads.clear()
+            assert LocalView(fd, 0, 128 * KiB).resident()  # read once: in the page cache now
+            assert bytes(await reader.read_local(fd, 100, 200)) == data[200:300]
+            assert loads == []  # served straight from memory
     finally:
         os.close(fd)
 
@@ -232,14 +235,16 @@ async def test_a_local_file_that_shrinks_while_its_pages_load_is_answered_up_to_
     monkeypatch.setattr(LocalView, "load", load_then_shrink)
     fd = os.open(path, os.O_RDONLY)
     try:
-        _evict_pages(path)
-        got = await ChunkReader(None).read_local(fd, 512 * KiB, 8 * KiB)  # type: ignore[arg-type]
-        assert bytes(got) == data[8 * KiB:10 * KiB + 7]
-        path.write_bytes(data)
-        _evict_pages(path)
-        os.truncate(path, 4 * KiB)  # shrinks below the offset asked for: nothing to answer
-        got = await ChunkReader(None).read_local(fd, 512 * KiB, 8 * KiB)  # type: ignore[arg-type]
-        assert bytes(got) == b""
+        async with trio.open_nursery() as nursery:
+            reader = ChunkReader(None, nursery=nursery)  # type: ignore[arg-type]
+            _evict_pages(path)
+            got = await reader.read_local(fd, 512 * KiB, 8 * KiB)
+            assert bytes(got) == data[8 * KiB:10 * KiB + 7]
+            path.write_bytes(data)
+            _evict_pages(path)
+            os.truncate(path, 4 * KiB)  # shrinks below the offset asked for: nothing to answer
+            got = await reader.read_local(fd, 512 * KiB, 8 * KiB)
+            assert bytes(got) == b""
     finally:
         os.close(fd)
 

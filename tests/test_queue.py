@@ -31,11 +31,10 @@ async def test_an_unexpected_error_in_one_upload_is_retried_and_never_ends_the_q
         inode.dirty = False
 
     policy = RetryPolicy()
-    queue = UploadQueue(commit, lambda inode: inode.name, policy.changes)
     a, b = _file(1), _file(2)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            queue.nursery = nursery
+            queue = UploadQueue(commit, lambda inode: inode.name, policy.changes, nursery)
             queue.add(a)
             queue.add(b)
             failed = await queue.wait()  # b goes up; a fails an attempt, reported, and waits

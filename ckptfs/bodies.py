@@ -1,0 +1,77 @@
+"""Request bodies read from a staged file: a seekable view of a byte range, and its CRC32."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ckptfs.checksum import crc32
+from ckptfs.errors import S3Error
+
+_READ_CHUNK = 1 << 20
+
+
+def scatter(data: bytes, outs: list[memoryview], filled: Callable[[int], None] | None) -> None:
+    """Copy `data` into the buffers `outs` in order, calling `filled(i)` as each is full."""
+    pos = 0
+    for i, out in enumerate(outs):
+        out[:] = data[pos:pos + len(out)]
+        pos += len(out)
+        if filled is not None:
+            filled(i)
+
+
+class FileRange(io.RawIOBase):
+    """A read-only, seekable view of bytes [start, start+length) of a file, for a request body."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return self._length
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(self._length, base + offset))
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        remaining = self._length - self._pos
+        if size is None or size < 0 or size > remaining:
+            size = remaining
+        if size == 0:
+            return b""
+        data = os.pread(self._fd, size, self._start + self._pos)
+        if len(data) != size:
+            raise S3Error("the staged file is shorter than its recorded size", retryable=False)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def crc_of_range(fd: int, start: int, length: int) -> int:
+    crc = 0
+    done = 0
+    while done < length:
+        chunk = os.pread(fd, min(_READ_CHUNK, length - done), start + done)
+        if not chunk:
+            raise S3Error("the staged file is shorter than its recorded size", retryable=False)
+        crc = crc32(chunk, crc)
+        done += len(chunk)
+    return crc

@@ -1,0 +1,123 @@
+"""How the mount's changes reach S3: the interface fs.py, files.py and tree.py call.
+
+Two implementations, one per durability mode:
+- `DirectChanges` (direct.py, close mode): every change is made in S3 before the call that
+  made it returns; a close whose upload fails keeps retrying in the background.
+- `LoggedChanges` (logged.py, async mode): every change is journaled and appended to the
+  ordered log (oplog.py); S3 gets the changes in the order they were made.
+
+Also here: `LocalCopies`, the one rule for an uploaded file's staged bytes once nobody has
+the file open (they become a clean copy in the read cache), which both modes apply.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ckptfs.cache import ObjectCache
+from ckptfs.inodes import Inode, InodeTable
+from ckptfs.s3types import S3
+from ckptfs.staging import StagedFile, StagingArea
+from ckptfs.uploader import Uploader
+
+log = logging.getLogger(__name__)
+
+
+class Changes(Protocol):
+    # True in async mode: close and fsync make the bytes durable on the cache disk (and in
+    # the journal) and S3 follows; False in close mode: they return once S3 has them.
+    stages_first: bool
+    backlog: Backlog
+
+    async def publish(self, node: Inode, *, fsynced: bool = False, background: bool = True) -> None:
+        """The file's staged bytes as they are now become its object: close mode uploads them
+        (UploadError if that fails; with `background`, it then keeps retrying), async mode
+        appends their put to the log."""
+
+    async def metadata(self, node: Inode) -> None:
+        """chmod/chown/utime of a file or directory whose bytes are not being written."""
+
+    async def create(self, node: Inode, body: bytes) -> None:
+        """A new directory marker or symlink object (`body`: the link's target)."""
+
+    async def remove_file(self, node: Inode) -> None:
+        """unlink: the object goes, and the name (the caller holds the upload lock)."""
+
+    async def remove_dir(self, node: Inode, effect: Callable[[], None]) -> None:
+        """rmdir of an empty directory; `effect` applies it to the mount."""
+
+    async def rename(self, src: Inode, new_parent: Inode, new_name: str, dst: Inode | None,
+                     move: Callable[[], None]) -> None:
+        """`src` (file or directory) takes `new_name`, replacing `dst`; `move` applies it to
+        the mount's table."""
+
+    def masked(self, key: str) -> bool:
+        """S3 still shows `key`, but the mount removed it (a change waiting its turn)."""
+
+    def could_free_space(self) -> bool:
+        """Some closed file is on its way to S3: its staged copy can go after that."""
+
+    def hand_over(self, torn: Inode, back: Inode) -> tuple[StagedFile, int] | None:
+        """A torn file's name shows `back` again: its pending changes become `back`'s; the
+        staged bytes (and size) of the version still waiting to be published, if any."""
+
+    def stats(self) -> dict[str, Any]:
+        ...
+
+
+class Backlog(Protocol):
+    """What S3 does not have yet: close mode's retry queue (queue.py), or the ordered log."""
+
+    def pending(self) -> list[tuple[str, int, str | None]]:
+        """(path, bytes, last error) of every change S3 does not have yet."""
+
+    async def wait(self, path: str = "") -> list[tuple[str, str]]:
+        """`ckptfs sync PATH`: wait for every change made under PATH; (path, reason) of failures."""
+
+    async def drain(self) -> None:
+        """Return once S3 has every change (the caller bounds it with a deadline)."""
+
+
+class ChangesBase:
+    """What both modes' Changes work with."""
+
+    def __init__(self, *, s3: S3, table: InodeTable, uploader: Uploader, cache: ObjectCache,
+                 staging: StagingArea, local: LocalCopies) -> None:
+        self.s3 = s3
+        self.table = table
+        self.uploader = uploader
+        self.cache = cache
+        self.staging = staging
+        self.local = local
+
+
+class LocalCopies:
+    """An uploaded file nobody has open: its staged bytes move into the read cache, where
+    reads find them and the cache's budget reclaims them."""
+
+    def __init__(self, cache: ObjectCache, table: InodeTable) -> None:
+        self.cache = cache
+        self.table = table
+
+    def keep(self, inode: Inode) -> None:
+        staged = inode.staged
+        assert staged is not None
+        staged.close()
+        if staged.held:
+            return  # the log publishes it first, then hands it back
+        inode.staged = None
+        if inode.etag is None or inode.unlinked:
+            staged.remove()
+            return
+        try:
+            self.cache.adopt(self.table.key_of(inode), inode.etag, staged.path, inode.size)
+        except OSError as exc:
+            log.warning("could not keep %s in the read cache: %s", self.table.path_of(inode), exc)
+            staged.remove()
+
+    def keep_if_idle(self, inode: Inode) -> None:
+        """`keep`, if the file is closed and S3 has all of it."""
+        if inode.open_handles == 0 and inode.staged is not None and not inode.is_local:
+            self.keep(inode)

@@ -1,0 +1,200 @@
+"""Async mode: every change reaches S3 through the ordered log (oplog.py), in order.
+
+A close or fsync appends the put of the file's bytes as they are then; from there the
+staged file is held (a later write works on a copy, files.py). Deletes, directory markers,
+symlinks, renames and metadata are entries too. The mount shows each change at once; S3
+gets it in its turn, and `on_done` brings the inode up to date with what S3 then holds.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptfs.cache import ObjectCache
+from ckptfs.changes import ChangesBase, LocalCopies
+from ckptfs.direct import rename_in_s3
+from ckptfs.errors import Refused
+from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
+from ckptfs.journal import Record
+from ckptfs.namespace import object_metadata
+from ckptfs.oplog import Entry, OrderedLog
+from ckptfs.s3types import S3
+from ckptfs.staging import StagedFile, StagingArea
+from ckptfs.uploader import Uploader
+
+
+class LoggedChanges(ChangesBase):
+    def __init__(self, *, log: OrderedLog, s3: S3, table: InodeTable, uploader: Uploader,
+                 cache: ObjectCache, staging: StagingArea, local: LocalCopies) -> None:
+        super().__init__(s3=s3, table=table, uploader=uploader, cache=cache, staging=staging,
+                         local=local)
+        self.log = log
+        self.backlog = log  # what S3 does not have yet: the log's entries
+        self.stages_first = True
+
+    # ----- files ------------------------------------------------------------
+
+    async def publish(self, node: Inode, *, fsynced: bool = False, background: bool = True) -> None:
+        """Append the put of the file's bytes as they are now; S3 gets them in their turn."""
+        if not node.dirty or node.unlinked or node.staged is None:
+            return
+        if node.write_error:
+            raise Refused(node.write_error)
+        staged = node.staged
+        key = self.table.key_of(node)
+        # No object at the name before this put: a rename right after may retarget it.
+        fresh = not node.has_object
+        rec = Record(os.path.basename(staged.path), key, True, node.size, object_metadata(node),
+                     fsynced=fsynced, part_size=self.uploader.plan.base_size)
+        clock = node.clock
+
+        def effect() -> None:
+            staged.held = True
+            node.pending += 1
+            if node.clock == clock:
+                node.dirty = False
+
+        await self.log.append(rec, self.table.path_of(node), staged=staged, owner=node,
+                              on_done=self._entry_done, fresh=fresh, effect=effect)
+
+    def _entry_done(self, entry: Entry, etag: str | None) -> None:
+        """S3 has applied a log entry about this inode (its `owner`)."""
+        node: Inode = entry.owner
+        node.pending -= 1
+        rec = entry.rec
+        renamed_since = node.unlinked or rec.key != self.table.key_of(node)
+        if rec.op == "put":
+            staged = entry.staged
+            assert staged is not None
+            staged.held = False
+            if etag and not renamed_since:
+                node.etag = etag
+            if node.staged is staged and not node.unlinked:
+                node.page_etag = etag  # the kernel's pages came from these very bytes
+                node.meta_known = True
+                self.local.keep_if_idle(node)
+            elif node.staged is not staged:
+                staged.remove()  # an older version, or the file is gone
+            self.staging.freed()
+        elif rec.op == "copy":
+            later = [e.rec.src for e in self.log.entries_of(node) if e.rec.op == "copy"]
+            node.read_key = later[0] if later else None
+            if etag and not node.unlinked:
+                if node.page_etag == node.etag:
+                    node.page_etag = etag
+                node.etag = etag
+        elif etag and not node.is_dir and not renamed_since:
+            if node.page_etag == node.etag:
+                node.page_etag = etag
+            node.etag = etag
+        node.validated_at = time.monotonic()
+
+    def could_free_space(self) -> bool:
+        return self.log.pending_bytes() > 0
+
+    def hand_over(self, torn: Inode, back: Inode) -> tuple[StagedFile, int] | None:
+        previous = self.log.latest_put(torn)
+        for entry in self.log.entries_of(torn):
+            entry.owner = back
+        torn.pending = 0
+        if previous is not None and previous.staged is not None:
+            return previous.staged, previous.rec.size  # still held: published in its turn
+        return None
+
+    # ----- names and metadata -------------------------------------------------
+
+    async def _append(self, node: Inode, rec: Record, body: bytes | None = None,
+                      effect: Callable[[], None] | None = None) -> None:
+        """Append a change of `node` that is not a put (marker, symlink, metadata, rename)."""
+        if body is not None:
+            rec = dataclasses.replace(rec, body=base64.b64encode(body).decode())
+
+        def counted() -> None:
+            node.pending += 1
+            if effect is not None:
+                effect()
+
+        await self.log.append(rec, self.table.path_of(node), owner=node, on_done=self._entry_done,
+                              masks=(rec.src,) if rec.src else (), effect=counted)
+
+    async def metadata(self, node: Inode) -> None:
+        """chmod/chown/utime: S3 gets the new metadata after everything before it."""
+        if node.ino == ROOT_INODE:
+            return
+        key = self.table.key_of(node)
+        if node.is_dir:
+            await self._append(node, Record("", key, True, metadata=object_metadata(node),
+                                            op="object"), b"")
+            return
+        if node.dirty or node.writers > 0:
+            return  # still being written: the put at close carries it
+        if not node.has_object:
+            return  # never closed: nothing in S3 to change
+        entry = self.log.latest_put(node)
+        if entry is not None and await self.log.amend_metadata(entry, object_metadata(node)):
+            return
+        await self._append(node, Record("", key, True, metadata=object_metadata(node), op="meta"))
+
+    async def create(self, node: Inode, body: bytes) -> None:
+        await self._append(node, Record("", self.table.key_of(node), True,
+                                        metadata=object_metadata(node), op="object"), body)
+
+    async def remove_file(self, node: Inode) -> None:
+        key = self.table.key_of(node)
+
+        def effect() -> None:
+            node.dirty = False
+            self.cache.drop_key(self.table.object_key(node))
+            self.table.detach(node)
+
+        if node.has_object:
+            await self.log.append(Record("", key, True, op="delete"), self.table.path_of(node),
+                                  masks=(key,), effect=effect)
+        else:
+            effect()
+
+    async def remove_dir(self, node: Inode, effect: Callable[[], None]) -> None:
+        # Masks the whole prefix: S3 lists what is under it until the delete's turn.
+        await self.log.append(Record("", self.table.key_of(node), True, op="delete"),
+                              self.table.path_of(node), masks=(self.table.key_of(node),),
+                              effect=effect)
+
+    async def rename(self, src: Inode, new_parent: Inode, new_name: str, dst: Inode | None,
+                     move: Callable[[], None]) -> None:
+        if src.is_dir:
+            # A directory's rename is a copy of everything under it, which the log does not
+            # order: once S3 has every earlier change, it runs as in close mode.
+            await self.log.settle(self.uploader.upload_timeout)
+            await rename_in_s3(self.s3, self.table, self.cache, self.uploader, src, new_parent,
+                               new_name, dst, move)
+            return
+        # A file: the put it follows is retargeted, or S3 copies and deletes in turn.
+        old_key = self.table.key_of(src)
+        new_key = self.table.key_of(new_parent) + new_name
+        new_path = (self.table.path_of(new_parent) + "/" + new_name).lstrip("/")
+        entry = self.log.latest_put(src)
+        if entry is not None and await self.log.retarget(entry, new_key, new_path, move):
+            return
+        if src.has_object:
+            def effect() -> None:
+                if src.read_key is None:
+                    src.read_key = old_key  # reads find the object there until the copy
+                move()
+            await self._append(src, Record("", new_key, True, op="copy", src=old_key),
+                               effect=effect)
+        elif dst is not None and dst.has_object:
+            # The name shows a file never closed: S3 must not keep the replaced object.
+            await self.log.append(Record("", new_key, True, op="delete"), new_path, effect=move)
+        else:
+            move()
+
+    def masked(self, key: str) -> bool:
+        return self.log.masked(key)
+
+    def stats(self) -> dict[str, Any]:
+        return {"log_entries": len(self.log)}

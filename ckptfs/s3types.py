@@ -1,0 +1,87 @@
+"""The S3 seam: what the components ask of S3, and the answers.
+
+`S3` is the protocol the components are written against. s3.py implements it with boto3;
+tests/fakes3.py implements it in memory (with injectable faults) for unit tests. Every
+implementation retries transient faults itself, by the one policy of retry.py, until the
+call's `deadline` (trio time; by default the client's own timeout from now).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from ckptfs.retry import RetryPolicy
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str
+    last_modified: float
+    metadata: dict[str, str] = field(default_factory=dict)
+    checksum_crc32: str | None = None  # S3's full-object CRC32, where the server keeps one
+
+
+@dataclass(frozen=True)
+class ListPage:
+    prefixes: list[str]
+    objects: list[ObjectInfo]
+
+
+class S3(Protocol):
+    limiter: trio.CapacityLimiter  # worker threads of requests; readers share it
+    policy: RetryPolicy
+
+    async def head(self, key: str, checksum: bool = False,
+                   deadline: float | None = None) -> ObjectInfo: ...
+
+    async def list_page(self, prefix: str, token: str | None, delimiter: str = "/",
+                        max_keys: int = 1000,
+                        start_after: str | None = None) -> tuple[ListPage, str | None]: ...
+
+    def list_pages(self, prefix: str, delimiter: str = "/") -> AsyncIterator[ListPage]: ...
+
+    async def list_keys(self, prefix: str) -> list[ObjectInfo]: ...
+
+    async def has_children(self, prefix: str) -> bool: ...
+
+    async def get_range(self, key: str, start: int, end: int, etag: str | None = None) -> bytes: ...
+
+    async def get_ranges_into(self, key: str, start: int, outs: list[memoryview],
+                              etag: str | None = None,
+                              filled: Callable[[int], None] | None = None) -> None: ...
+
+    async def download_to(self, key: str, fd: int, size: int, chunk: int,
+                          etag: str | None = None) -> None: ...
+
+    async def put(self, key: str, body: bytes, metadata: dict[str, str],
+                  deadline: float | None = None) -> str: ...
+
+    async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True,
+                               deadline: float | None = None) -> str: ...
+
+    async def upload_part(self, key: str, upload_id: str, number: int, fd: int, start: int,
+                          size: int, deadline: float | None = None) -> tuple[str, int]: ...
+
+    async def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]],
+                                 crc: int | None = None, deadline: float | None = None) -> str: ...
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None: ...
+
+    async def abort_quietly(self, key: str, upload_id: str) -> bool: ...
+
+    async def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]: ...
+
+    async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]: ...
+
+    async def copy(self, src: str, dst: str, size: int, metadata: dict[str, str] | None = None,
+                   deadline: float | None = None) -> str: ...
+
+    async def delete(self, key: str, deadline: float | None = None) -> None: ...
+
+    async def delete_many(self, keys: list[str]) -> None: ...

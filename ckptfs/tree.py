@@ -1,0 +1,115 @@
+"""Namespace mutations: mkdir, symlink, unlink, rmdir, rename and metadata changes.
+
+Each checks what POSIX requires of the names involved, makes the change through
+`changes` (at once in S3 in close mode, through the ordered log in async mode), and then
+applies it to the inode table. Name validation and errno mapping stay in fs.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+
+from ckptfs.changes import Changes
+from ckptfs.errors import Refused
+from ckptfs.inodes import Inode, InodeTable
+from ckptfs.namespace import Namespace
+from ckptfs.s3types import S3
+from ckptfs.uploader import Uploader
+
+
+class Tree:
+    def __init__(self, *, s3: S3, table: InodeTable, ns: Namespace, uploader: Uploader,
+                 changes: Changes) -> None:
+        self.s3 = s3
+        self.table = table
+        self.ns = ns
+        self.uploader = uploader
+        self.changes = changes
+
+    async def make_entry(self, parent: Inode, name: str, mode: int, uid: int, gid: int,
+                         body: bytes) -> Inode:
+        """A new directory or symlink whose object (`body`) is made now; nothing is left
+        behind on failure."""
+        now = time.time_ns()
+        self.ns.forget_absent(parent.ino, name)
+        node = self.table.add(parent.ino, name, mode, uid, gid, mtime_ns=now, ctime_ns=now,
+                              atime_ns=now, meta_known=True)
+        if node.is_symlink:
+            node.symlink_target, node.size = body, len(body)
+        try:
+            await self.changes.create(node, body)
+        except BaseException:
+            self.table.detach(node)
+            raise
+        node.validated_at = time.monotonic()
+        parent.touch()
+        return node
+
+    async def dir_is_empty(self, node: Inode) -> bool:
+        if any(not c.unlinked and c.is_local for c in self.table.children(node.ino)):
+            return False
+        key = self.table.key_of(node)
+        if not self.changes.stages_first or not self.changes.backlog.pending():
+            return not await self.s3.has_children(key)
+        # S3 may still hold objects the mount removed (deletes waiting their turn).
+        return all(o.key == key or self.changes.masked(o.key) for o in await self.s3.list_keys(key))
+
+    async def rmdir(self, parent: Inode, node: Inode) -> None:
+        if not await self.dir_is_empty(node):
+            raise Refused(errno.ENOTEMPTY)
+
+        def effect() -> None:
+            self.table.detach(node)
+            self.ns.invalidate_listing(node.ino)
+            parent.touch()
+
+        await self.changes.remove_dir(node, effect)
+
+    async def unlink(self, parent: Inode, node: Inode) -> None:
+        async with node.upload_lock:
+            await self.uploader.abort(node.upload)
+            await self.changes.remove_file(node)
+            await self.uploader.records.forget(node.upload)
+        if node.open_handles == 0:
+            node.drop_staged()
+        parent.touch()
+
+    async def rename(self, old_parent: Inode, src: Inode, new_parent: Inode, new_name: str,
+                     dst: Inode | None, noreplace: bool) -> None:
+        if dst is src:
+            return
+        if dst is not None:
+            if noreplace:
+                raise Refused(errno.EEXIST)
+            if src.is_dir and not dst.is_dir:
+                raise Refused(errno.ENOTDIR)
+            if not src.is_dir and dst.is_dir:
+                raise Refused(errno.EISDIR)
+            if dst.is_dir and not await self.dir_is_empty(dst):
+                raise Refused(errno.ENOTEMPTY)
+        if src.is_dir and self.table.is_ancestor(src, new_parent):
+            raise Refused(errno.EINVAL)
+
+        def move() -> None:
+            """The mount's side of a rename: `src` takes the name, a replaced `dst` is gone."""
+            if dst is not None:
+                dst.dirty = False
+                self.table.detach(dst)
+                if dst.open_handles == 0:
+                    dst.drop_staged()
+            self.table.move(src, new_parent.ino, new_name)
+            self.ns.forget_absent(new_parent.ino, new_name)
+            src.ctime_ns = time.time_ns()
+            old_parent.touch()
+            new_parent.touch()
+
+        await self.changes.rename(src, new_parent, new_name, dst, move)
+
+    async def metadata(self, node: Inode) -> None:
+        """Changed mode/owner/mtime go to S3."""
+        if node.unlinked:
+            # Gone from its name (the kernel flushes times of a replaced inode after the
+            # rename): the object under that name now is another file's.
+            return
+        await self.changes.metadata(node)

@@ -1,0 +1,135 @@
+"""Upload state: what one staged file has in S3 so far, and its record in the journal.
+
+`FileUpload` belongs to the file's inode (inodes.py) or to a log entry (oplog.py), and
+only the uploader changes its parts; `UploadRecords` is the only writer of its journal
+record (journal.py): written when the file is closed, updated when its multipart upload
+is created, removed once the object is verified. Recovery builds a FileUpload from a
+record the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from ckptfs.journal import Journal, PartDone, Record
+from ckptfs.parts import PartPlan, PartRange
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    etag: str
+    parts: int
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """A part that is in S3 under the open multipart upload, ready for CompleteMultipartUpload."""
+    start: int
+    end: int
+    etag: str
+    crc: int  # CRC32 of the part's bytes
+    clock: int  # the file's write clock when the bytes were read
+
+
+@dataclass(eq=False)
+class FileUpload:
+    """The upload state of one staged file: its open multipart upload and which parts are current."""
+    key: str | None = None
+    upload_id: str | None = None
+    metadata: dict[str, str] | None = None
+    parts: dict[int, PartRecord] = field(default_factory=dict)
+    touched: dict[int, int] = field(default_factory=dict)  # part number -> write clock of last change
+    clock: int = 0
+    sending: dict[int, trio.Event] = field(default_factory=dict)
+    create_lock: trio.Lock = field(default_factory=trio.Lock)
+    journal_name: str | None = None  # the staged file's name: the journal record's name
+    record: Record | None = None  # what the journal holds for this file now
+    record_clock: int = -1  # `clock` when a closed record was written
+    record_lock: trio.Lock = field(default_factory=trio.Lock)
+    plan: PartPlan | None = None  # the part sizes of these bytes, if not the uploader's own
+
+    def current(self, r: PartRange) -> bool:
+        rec = self.parts.get(r.number)
+        return (rec is not None and rec.start == r.start and rec.end == r.end
+                and rec.clock >= self.touched.get(r.number, 0))
+
+
+def without_mtime(metadata: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in metadata.items() if k != "mtime"}
+
+
+class UploadRecords:
+    """Journal records of uploads: the one place that writes them."""
+
+    def __init__(self, journal: Journal | None, plan: PartPlan) -> None:
+        self.journal = journal
+        self.plan = plan
+
+    async def save(self, up: FileUpload, rec: Record | None) -> None:
+        if self.journal is None or up.journal_name is None:
+            return
+        async with up.record_lock:
+            # Checked again under the lock: the ordered log may have taken the record over
+            # (a retarget) while this write waited, and must not be overwritten by it.
+            if up.journal_name is None:
+                return
+            if rec is None:
+                if up.record is not None:
+                    await trio.to_thread.run_sync(self.journal.remove, up.journal_name)
+            else:
+                await trio.to_thread.run_sync(self.journal.write, rec)
+            up.record = rec
+
+    async def closed(self, up: FileUpload, key: str, size: int, metadata: dict[str, str],
+                             fsynced: bool = False) -> None:
+        """Record that these bytes were closed and belong under `key`, before close() returns."""
+        if up.journal_name is None:
+            return
+        rec = up.record
+        if (rec is not None and rec.closed and up.record_clock == up.clock and rec.key == key
+                and rec.size == size and (rec.fsynced or not fsynced)):
+            return  # already journaled as they are
+        clock = up.clock
+        parts = tuple(PartDone(n, p.start, p.end, p.etag, p.crc) for n, p in sorted(up.parts.items())
+                      if p.clock >= up.touched.get(n, 0) and p.end <= size)
+        intent = up.record.intent if up.record is not None and up.record.key == key else 0.0
+        await self.save(up, Record(up.journal_name, key, True, size, dict(metadata),
+                                    up.upload_id if up.key == key else None, parts, fsynced,
+                                    (up.plan or self.plan).base_size, intent=intent))
+        up.record_clock = clock
+
+    async def intent(self, up: FileUpload, key: str) -> None:
+        """Before CreateMultipartUpload: a crash before its id is journaled must not leave an
+        upload nobody owns. Recovery aborts uploads of `key` started since `intent` that no
+        record names (and only those: never another key's, nor an older one)."""
+        rec = up.record
+        # The earliest intent covers every attempt (a retry creates another upload).
+        since = rec.intent if rec is not None and rec.intent and rec.key == key else time.time()
+        try:
+            if rec is not None and rec.closed and rec.key == key:
+                await self.save(up, dataclasses.replace(rec, intent=since))
+            else:
+                await self.save(up, Record(up.journal_name or "", key, False, intent=since))
+        except OSError as exc:
+            log.warning("could not journal the intent to upload %s (%s); going on", key, exc)
+
+    async def changing(self, up: FileUpload) -> None:
+        """The staged bytes are about to change: a closed record no longer describes them."""
+        rec = up.record
+        if rec is None or not rec.closed:
+            return
+        if up.upload_id is not None and up.key is not None:
+            await self.save(up, Record(rec.name, up.key, False, upload_id=up.upload_id))
+        else:
+            await self.save(up, None)
+
+    async def forget(self, up: FileUpload) -> None:
+        """The bytes are in S3 (or were unlinked): nothing is left to recover."""
+        await self.save(up, None)
