@@ -204,6 +204,33 @@ def test_random_503_500_resets_and_slow_answers(proxied, s3, prefix: str) -> Non
     assert_delivered(s3, f"{prefix}/async", files)
 
 
+def test_reads_and_lookups_ride_out_more_faults_than_one_request_has_attempts(proxied, s3,
+                                                                             prefix: str) -> None:
+    """One retry policy for every request: a lookup (HEAD, LIST), a GET and a listing that
+    fail five times in a row with 503 still succeed. They had botocore's three attempts,
+    and the read failed with EIO."""
+    proxy, mounter = proxied
+    data = os.urandom(3 * MiB)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/d/model.pt", Body=data)
+    mnt = mounter()
+    failures = [0]
+
+    def fail_next(method: str, path: str) -> bool:
+        if method in ("GET", "HEAD") and failures[0] > 0:
+            failures[0] -= 1
+            return True
+        return False
+    proxy.fail_status = 503
+    proxy.fail_when = fail_next
+    failures[0] = 5
+    assert (mnt.path / "d" / "model.pt").stat().st_size == len(data)  # lookups
+    failures[0] = 5
+    assert (mnt.path / "d" / "model.pt").read_bytes() == data  # ranged GETs
+    failures[0] = 5
+    assert os.listdir(mnt.path / "d") == ["model.pt"]  # a listing of a directory not yet listed
+    assert proxy.failed == 15
+
+
 @pytest.fixture
 def tmpfs(tmp_path: Path):
     path = tmp_path / "tmpfs"
