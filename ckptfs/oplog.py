@@ -33,7 +33,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
 
@@ -47,7 +47,6 @@ from ckptfs.uploads import FileUpload
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 # How long the last put of a new name waits for a rename or chmod of it before its object
 # appears (measured from its close; see _turn).
 REWRITE_GRACE = 0.2

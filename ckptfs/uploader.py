@@ -59,7 +59,6 @@ class Uploader:
         self.upload_failures = 0
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last is +Inf
         self.latency_sum = 0.0
-        self.journal = journal
         self.records = UploadRecords(journal, plan)  # the journal records of uploads
         self.upload_timeout = upload_timeout
         self.policy = policy or s3.policy
