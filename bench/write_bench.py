@@ -1,6 +1,7 @@
 """Write-path benchmark: ckptfs against its peers on one local SeaweedFS, in one run.
 
     .venv/bin/python bench/write_bench.py [--sizes 1,4] [--torch-gib 1] [--skip-peers]
+                                          [--writers 8 --writer-mib 128]
 
 For each workload (random-byte files of the given GiB sizes, and a torch.save of a state
 dict) it times: a copy to local disk; boto3 upload_file from local disk (tuned
@@ -8,8 +9,13 @@ TransferConfig); local save then boto3 upload; s3fs-fuse write+close; rclone mou
 (--vfs-cache-mode writes) write+close and time until the object is in S3; ckptfs in
 close mode; ckptfs in async mode (close, and until `ckptfs sync` returns); and, as the
 server's ingest bound, ckptfs's own UploadPart requests sent from bytes already in memory.
-It prints seconds, MiB/s, the acceptance ratios, and the ckptfs daemon's CPU seconds and
-peak RSS. Needs root (drop_caches, mounts) and Debian's s3fs and rclone.
+N concurrent writers (DCP: one file per rank, `--writers` ranks of `--writer-mib` each)
+are a workload of their own: local disk (with and without fsync), boto3 upload_file of
+the N files in parallel, ckptfs close and async, and a bare pyfuse3 sink (bench/sink.py:
+only pwrites, writeback cache on), the limit of any pyfuse3 write path. It prints seconds,
+MiB/s, the acceptance ratios, and for every ckptfs row the daemon's CPU seconds per GiB
+(from /proc) and peak RSS, beside the raw client's CPU per GiB in the same run. Needs root
+(drop_caches, mounts) and Debian's s3fs and rclone.
 """
 
 from __future__ import annotations
@@ -150,6 +156,23 @@ class Bench:
         return write
 
     @staticmethod
+    def parallel_writer(src: str, n: int, fsync: bool = False) -> Callable[[str], None]:
+        """`n` ranks at once, each writing its own file of `src`'s bytes into the directory."""
+        def one(dst: str) -> None:
+            with open(src, "rb") as fin, open(dst, "wb") as fout:
+                while chunk := fin.read(CHUNK):
+                    fout.write(chunk)
+                if fsync:
+                    fout.flush()
+                    os.fsync(fout.fileno())
+
+        def write(dst: str) -> None:
+            os.mkdir(dst)
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                list(pool.map(one, [os.path.join(dst, f"rank_{i}.distcp") for i in range(n)]))
+        return write
+
+    @staticmethod
     def torch_writer(state: dict) -> Callable[[str], None]:
         import torch
 
@@ -178,11 +201,41 @@ class Bench:
         shutil.rmtree(dst)
         return size
 
-    def boto_upload(self, workload: str, src: str, size: int) -> None:
+    def boto_upload(self, workload: str, src: str, size: int, copies: int = 1) -> None:
+        """boto3 upload_file of `src` (`copies` times in parallel, under different keys): the
+        raw client, with its CPU seconds per GiB (this process's, from /proc)."""
         key = f"boto/{workload}-{self._n}"
+        cpu0 = time.process_time()
         t = time.monotonic()
-        self.s3.upload_file(src, self.server.bucket, key, Config=TUNED)
-        self.rows.append(Row(workload, "b. boto3 upload_file (tuned)", time.monotonic() - t, size))
+        with concurrent.futures.ThreadPoolExecutor(copies) as pool:
+            list(pool.map(lambda i: self.s3.upload_file(src, self.server.bucket, f"{key}-{i}",
+                                                        Config=TUNED), range(copies)))
+        seconds = time.monotonic() - t
+        cpu = time.process_time() - cpu0
+        method = "b. boto3 upload_file (tuned)" + (f" x {copies} in parallel" if copies > 1 else "")
+        self.rows.append(Row(workload, method, seconds, size,
+                             f"client {cpu / (size / GiB):.2f} CPU s/GiB"))
+
+    def sink(self, workload: str, write: Callable[[str], None], size: int) -> None:
+        """The bare pyfuse3 sink (bench/sink.py): the floor of any pyfuse3 write path."""
+        mnt, staging = self.path("sink-mnt"), self.path("sink-staging")
+        os.mkdir(mnt)
+        proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "sink.py"),
+                                 mnt, staging])
+        try:
+            wait_mount(mnt, proc)
+            cpu0 = self._cpu(proc.pid)
+            drop_caches()
+            t = time.monotonic()
+            write(os.path.join(mnt, f"{workload}.bin"))
+            seconds = time.monotonic() - t
+            cpu = self._cpu(proc.pid) - cpu0
+            self.rows.append(Row(workload, "i. bare pyfuse3 sink (pwrite only; close)", seconds, size,
+                                 f"sink {cpu / (size / GiB):.2f} CPU s/GiB"))
+        finally:
+            unmount(mnt)
+            proc.wait(30)
+            shutil.rmtree(staging, ignore_errors=True)
 
     def raw_upload(self, workload: str, src: str, size: int) -> None:
         """The server's ingest bound: ckptfs's own requests (16 MiB parts, 8 at a time, CRC32,
@@ -255,7 +308,8 @@ class Bench:
                     raise RuntimeError(f"{k} is not in S3 after close/sync; daemon log:\n{log}")
             cpu = self._cpu(pid) - cpu0
             rss = self._peak_rss(pid)
-            note = f"daemon {cpu:.1f} CPU s, peak RSS {rss / MiB:.0f} MiB"
+            note = (f"daemon {cpu:.1f} CPU s ({cpu / (size / GiB):.2f} s/GiB), "
+                    f"peak RSS {rss / MiB:.0f} MiB")
             if durability == "close":
                 self.rows.append(Row(workload, "f. ckptfs close mode (close = in S3)", closed, size, note))
             else:
@@ -343,6 +397,21 @@ def run_workload(bench: Bench, workload: str, write: Callable[[str], None], skip
     bench.ckptfs(workload, write, size, durability="async")
 
 
+def run_writers(bench: Bench, src: str, n: int, only_ckptfs: bool) -> None:
+    """N ranks writing at once (DCP's layout): the rows of issue 17's first table."""
+    per = os.path.getsize(src)
+    workload = f"writers-{n}x{per // MiB}MiB"
+    write = bench.parallel_writer(src, n)
+    size = bench.local_tree(workload, write)
+    bench.local_tree(workload, bench.parallel_writer(src, n, fsync=True))
+    bench.rows[-1].method = "a. local disk (write+fsync+close)"
+    if not only_ckptfs:
+        bench.boto_upload(workload, src, size, copies=n)
+    bench.sink(workload, write, size)
+    bench.ckptfs(workload, write, size)
+    bench.ckptfs(workload, write, size, durability="async")
+
+
 def run_ckptfs_only(bench: Bench, workload: str, write: Callable[[str], None]) -> None:
     local = bench.local(workload, write, 0)
     size = os.path.getsize(local)
@@ -399,6 +468,8 @@ def main() -> int:
                     help="a checkpoint of 7 shards of this many MiB and a marker written last (0: skip)")
     ap.add_argument("--only-ckptfs", action="store_true",
                     help="local disk and ckptfs rows only (a quick before/after comparison)")
+    ap.add_argument("--writers", type=int, default=8, help="ranks writing at once (0: skip)")
+    ap.add_argument("--writer-mib", type=int, default=128, help="MiB each rank writes")
     ap.add_argument("--ckptfs-args", default="", help='more options for ckptfs mount, e.g. "--concurrency 16"')
     args = ap.parse_args()
     if not args.skip_peers:
@@ -421,6 +492,14 @@ def main() -> int:
                 run_ckptfs_only(bench, f"file-{gib:g}GiB", bench.copy_writer(src))
             else:
                 run_workload(bench, f"file-{gib:g}GiB", bench.copy_writer(src), args.skip_peers)
+            os.unlink(src)
+            print(report(bench), flush=True)
+        if args.writers:
+            src = os.path.join(work, "rank.bin")
+            with open(src, "wb") as f:
+                for _ in range(args.writer_mib):
+                    f.write(os.urandom(MiB))
+            run_writers(bench, src, args.writers, args.only_ckptfs)
             os.unlink(src)
             print(report(bench), flush=True)
         if args.checkpoint_mib:
