@@ -60,17 +60,24 @@ class ReadBench:
         self.samples: dict[tuple[str, str, int], list[float]] = {}
         self.notes: dict[tuple[str, str], list[str]] = {}
         self.daemon: dict[tuple[str, str], list[tuple[float, int]]] = {}  # (CPU s, peak RSS) per round
+        self.client: dict[tuple[str, str], list[float]] = {}  # the client's CPU s per GiB
         self._n = 0
 
     def path(self, name: str) -> str:
         self._n += 1
         return os.path.join(self.work, f"{name}-{self._n}")
 
-    def timed(self, workload: str, method: str, size: int, fn) -> float:
+    def timed(self, workload: str, method: str, size: int, fn, client_cpu: bool = False) -> float:
+        """Time `fn` with the page cache dropped; with `client_cpu`, also note this process's
+        CPU seconds per GiB (the raw client's cost, beside the daemon's)."""
         drop_caches()
+        cpu0 = time.process_time()
         t = time.monotonic()
         fn()
         elapsed = time.monotonic() - t
+        if client_cpu and size:
+            self.client.setdefault((workload, method), []).append(
+                (time.process_time() - cpu0) / (size / GiB))
         self.samples.setdefault((workload, method, size), []).append(elapsed)
         print(f"  {workload}: {method}: {elapsed:.2f}s", flush=True)
         return elapsed
@@ -85,7 +92,12 @@ class ReadBench:
             extra = list(self.notes.get((workload, method), []))
             if (workload, method) in self.daemon:
                 cpus, rsss = zip(*self.daemon[workload, method])
-                extra.append(f"daemon {_span(cpus, '.1f')} CPU s, peak RSS {_span([r / MiB for r in rsss], '.0f')} MiB")
+                per = [c / (size / GiB) for c in cpus] if size else []
+                extra.append(f"daemon {_span(cpus, '.1f')} CPU s"
+                             + (f" ({_span(per, '.2f')} s/GiB)" if per else "")
+                             + f", peak RSS {_span([r / MiB for r in rsss], '.0f')} MiB")
+            if (workload, method) in self.client:
+                extra.append(f"client {_span(self.client[workload, method], '.2f')} CPU s/GiB")
             if extra:
                 note = "; ".join([note] + extra) if note else "; ".join(extra)
             rows.append(Row(workload, method, statistics.median(times), size, note))
@@ -121,11 +133,17 @@ class ReadBench:
         wait_mount(mnt, proc)
         return mnt, proc
 
-    def note_daemon(self, workload: str, method: str, mnt: str) -> None:
-        """Record the CPU seconds and peak RSS of the daemon serving `mnt` so far."""
+    @staticmethod
+    def daemon_cpu(mnt: str) -> float:
+        from ckptfs.client import state_path
+        return Bench._cpu(json.load(open(state_path(mnt)))["pid"])
+
+    def note_daemon(self, workload: str, method: str, mnt: str, since: float = 0.0) -> None:
+        """Record the CPU seconds (since `since`) and peak RSS of the daemon serving `mnt`."""
         from ckptfs.client import state_path
         pid = json.load(open(state_path(mnt)))["pid"]
-        self.daemon.setdefault((workload, method), []).append((Bench._cpu(pid), Bench._peak_rss(pid)))
+        self.daemon.setdefault((workload, method), []).append((Bench._cpu(pid) - since,
+                                                               Bench._peak_rss(pid)))
 
 
 def main() -> int:
@@ -171,7 +189,8 @@ def main() -> int:
             print(f"round {rnd + 1} of {args.rounds}", flush=True)
             dl = os.path.join(work, "downloaded.bin")
             b.timed(w, "boto3 download_file (tuned)", size,
-                    lambda: b.s3.download_file(b.bucket, "data/cold.bin", dl, Config=TUNED))
+                    lambda: b.s3.download_file(b.bucket, "data/cold.bin", dl, Config=TUNED),
+                    client_cpu=True)
             b.timed(w, "local disk read", size, lambda: read_all(dl))
             os.unlink(dl)
             cache = b.path("ck-cache")
@@ -183,11 +202,15 @@ def main() -> int:
             b.unmount_ckptfs(mnt)
             mnt = b.mount_ckptfs(cache)  # same cache dir: warm
             mounts.append(mnt)
-            b.timed(w, "ckptfs warm read (disk cache, after remount)", size,
-                    lambda: read_all(os.path.join(mnt, "cold.bin")))
+            warm = "ckptfs warm read (disk cache, after remount)"
+            since = b.daemon_cpu(mnt)
+            b.timed(w, warm, size, lambda: read_all(os.path.join(mnt, "cold.bin")))
+            b.note_daemon(w, warm, mnt, since)
             shutil.copyfile(src, os.path.join(mnt, "written.bin"))  # close mode: in S3 on return
-            b.timed(w, "ckptfs read-back of a file written here", size,
-                    lambda: read_all(os.path.join(mnt, "written.bin")))
+            back = "ckptfs read-back of a file written here"
+            since = b.daemon_cpu(mnt)
+            b.timed(w, back, size, lambda: read_all(os.path.join(mnt, "written.bin")))
+            b.note_daemon(w, back, mnt, since)
             b.unmount_ckptfs(mnt)
             shutil.rmtree(cache, ignore_errors=True)
             if not args.skip_peers:
@@ -208,8 +231,9 @@ def main() -> int:
             cache = b.path("ck-cache")
             mnt = b.mount_ckptfs(cache)
             mounts.append(mnt)
-            b.timed(t, "ckptfs torch.load (fresh mount, empty cache)", ckpt_size,
-                    lambda: torch.load(os.path.join(mnt, "ckpt.pt")))
+            load = "ckptfs torch.load (fresh mount, empty cache)"
+            b.timed(t, load, ckpt_size, lambda: torch.load(os.path.join(mnt, "ckpt.pt")))
+            b.note_daemon(t, load, mnt)
             b.unmount_ckptfs(mnt)
             shutil.rmtree(cache, ignore_errors=True)
 
