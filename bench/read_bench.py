@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,7 @@ class ReadBench:
         self.notes: dict[tuple[str, str], list[str]] = {}
         self.daemon: dict[tuple[str, str], list[tuple[float, int]]] = {}  # (CPU s, peak RSS) per round
         self.client: dict[tuple[str, str], list[float]] = {}  # the client's CPU s per GiB
+        self.ckptfs_args: list[str] = []
         self._n = 0
 
     def path(self, name: str) -> str:
@@ -109,7 +111,8 @@ class ReadBench:
         mnt = self.path("ck-mnt")
         os.mkdir(mnt)
         r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{self.bucket}/{prefix}", mnt,
-                            "--cache-dir", cache], env=self.env, capture_output=True, text=True)
+                            "--cache-dir", cache, *self.ckptfs_args], env=self.env, capture_output=True,
+                           text=True)
         if r.returncode:
             raise RuntimeError(f"ckptfs mount failed: {r.stderr}")
         return mnt
@@ -153,6 +156,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="times each row is measured (median reported)")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--work", default="/var/tmp")
+    ap.add_argument("--ckptfs-args", default="", help='more options for ckptfs mount, e.g. "--read-memory 64MiB"')
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -162,6 +166,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="ckptfs-rbench-", dir=args.work)
     server = devserver.start(os.path.join(work, "s3"), bucket="bench")
     b = ReadBench(work, server)
+    b.ckptfs_args = shlex.split(args.ckptfs_args)
     size = int(args.gib * GiB)
     mounts: list[str] = []
     try:

@@ -33,6 +33,7 @@ class Sink(pyfuse3.Operations):
         self.sizes: dict[int, int] = {}
         self.fds: dict[int, int] = {}
         self.next = ROOT + 1
+        self.writes = 0
 
     def _attrs(self, ino: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -81,6 +82,7 @@ class Sink(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=ino), self._attrs(ino)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        self.writes += 1
         n = os.pwrite(self.fds[fh], buf, off)
         if off + n > self.sizes[fh]:
             self.sizes[fh] = off + n
@@ -97,11 +99,14 @@ def main() -> int:
     mountpoint, staging = sys.argv[1], sys.argv[2]
     os.makedirs(staging, exist_ok=True)
     options = set(pyfuse3.default_options) | {"fsname=sink"}
-    pyfuse3.init(Sink(staging), mountpoint, options)
+    sink = Sink(staging)
+    pyfuse3.init(sink, mountpoint, options)
     try:
         trio.run(pyfuse3.main)
     finally:
         pyfuse3.close(unmount=True)
+        if os.environ.get("SINK_REPORT"):
+            print(f"sink: {sink.writes} write requests", file=sys.stderr)
     return 0
 
 

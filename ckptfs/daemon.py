@@ -22,6 +22,7 @@ import trio
 from ckptfs import control
 from ckptfs.client import _mountinfo, control_path, is_mounted, mount_type, result_path, state_path
 from ckptfs.config import Config
+from ckptfs.buffers import BufferBudget
 from ckptfs.cache import ObjectCache
 from ckptfs.changes import Changes, LocalCopies
 from ckptfs.direct import DirectChanges
@@ -193,7 +194,9 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
     boto = make_boto_client(config.endpoint_url, config.region, config.profile,
                             pool=config.concurrency + 8)
     # One retry policy for every request of the mount (and its spot-notice hurry).
-    s3 = S3Client(boto, config.bucket, limiter, RetryPolicy(), timeout=config.upload_timeout)
+    bodies = BufferBudget(config.upload_memory)
+    s3 = S3Client(boto, config.bucket, limiter, RetryPolicy(), timeout=config.upload_timeout,
+                  bodies=bodies)
     staging = StagingArea(config.cache_dir)
     journal = Journal(config.cache_dir)
     uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency,
@@ -225,7 +228,7 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
                                 staging=staging, local=local, nursery=nursery)
         masked = None
     ns = Namespace(s3, table, uid, gid, config.metadata_ttl, masked=masked)
-    reader = ChunkReader(s3, cache, nursery=nursery)
+    reader = ChunkReader(s3, cache, memory_budget=config.read_memory, nursery=nursery)
     files = OpenFiles(s3=s3, table=table, ns=ns, staging=staging, cache=cache, uploader=uploader,
                       reader=reader, changes=changes, local=local)
     tree = Tree(s3=s3, table=table, ns=ns, uploader=uploader, changes=changes)
@@ -234,7 +237,7 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
     stats = Stats({"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
                    "cache_dir": config.cache_dir, "durability": config.durability,
                    "recovery": report.as_dict()},
-                  [uploader, reader, cache, files, changes, journal],
+                  [uploader, bodies, reader, cache, files, changes, journal],
                   draining=lambda: fs.draining, pending=changes.backlog.pending)
     return Mount(fs, files, changes, uploader, reader, oplog, journal, staging, stats)
 

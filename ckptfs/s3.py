@@ -28,6 +28,7 @@ import botocore.exceptions
 import trio
 
 from ckptfs.bodies import FileRange, crc_of_range, scatter
+from ckptfs.buffers import BufferBudget
 from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.parts import GiB
@@ -42,8 +43,6 @@ T = TypeVar("T")
 COPY_LIMIT = 5 * GiB
 COPY_PART_SIZE = 1 * GiB
 _DELETE_BATCH = 1000
-# Parts up to this size are sent from memory; larger ones stream from the staged file.
-_IN_MEMORY_PART = 32 << 20
 
 
 def _timestamp(value: Any) -> float:
@@ -142,12 +141,14 @@ class S3Client:
     """Async facade over one bucket. Keys passed in are full keys."""
 
     def __init__(self, boto_client: Any, bucket: str, limiter: trio.CapacityLimiter,
-                 policy: RetryPolicy | None = None, timeout: float = 120.0) -> None:
+                 policy: RetryPolicy | None = None, timeout: float = 120.0,
+                 bodies: BufferBudget | None = None) -> None:
         self._c = boto_client
         self.bucket = bucket
         self.limiter = limiter
         self.policy = policy or RetryPolicy()
         self.timeout = timeout  # how long a request without a deadline of its own is retried
+        self.bodies = bodies or BufferBudget(48 << 20)  # bodies read from staged files
 
     async def _retried(self, what: str, deadline: float | None,
                        attempt: Callable[[], Awaitable[T]]) -> T:
@@ -284,24 +285,47 @@ class S3Client:
         """Upload bytes [start, start + size) of `fd` as part `number`, with their CRC32
         (which the server checks: a part damaged on the way is refused, and sent again).
         Returns (ETag, CRC32)."""
-        def run() -> tuple[str, int]:
-            if size <= _IN_MEMORY_PART:
-                # One read into memory, then checksum, signing and send all work on it: on
-                # small machines the extra passes over the staged file cost more than the RAM.
-                body: Any = os.pread(fd, size, start)
-                if len(body) != size:
-                    raise S3Error("the staged file is shorter than its recorded size",
-                                  retryable=False)
-                crc = crc32(body)
-            else:
-                crc = crc_of_range(fd, start, size)
-                body = FileRange(fd, start, size)
+        def send(body: Any, crc: int) -> str:
             with _mapped(f"UploadPart {number}", key):
                 r = self._c.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                         PartNumber=number, Body=body, ChecksumCRC32=b64_crc32(crc))
-            return r["ETag"], crc
-        return await self._retried(f"UploadPart {number} of {key}", deadline,
-                                   lambda: trio.to_thread.run_sync(run, limiter=self.limiter))
+            return r["ETag"]
+        return await self._send_range(f"UploadPart {number} of {key}", fd, start, size, deadline,
+                                      send)
+
+    async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
+                       deadline: float | None = None) -> tuple[str, int]:
+        """PutObject of the first `size` bytes of `fd`, with their CRC32; (ETag, CRC32)."""
+        def send(body: Any, crc: int) -> str:
+            with _mapped("PUT", key):
+                r = self._c.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata,
+                                       ChecksumCRC32=b64_crc32(crc))
+            return r.get("ETag", "")
+        return await self._send_range(f"PUT {key}", fd, 0, size, deadline, send)
+
+    async def _send_range(self, what: str, fd: int, start: int, size: int,
+                          deadline: float | None,
+                          send: Callable[[Any, int], str]) -> tuple[str, int]:
+        """Send bytes [start, start + size) of `fd` with `send(body, crc)` in a worker thread,
+        retried. Within the memory budget the bytes are read once into a buffer, then
+        checksummed and sent from it; a body larger than the whole budget streams from the
+        file, after a first pass for its CRC32."""
+        def from_buffer(buf: bytearray) -> tuple[str, int]:
+            if os.preadv(fd, [buf], start) != size:
+                raise S3Error("the staged file is shorter than its recorded size", retryable=False)
+            crc = crc32(buf)
+            return send(buf, crc), crc
+
+        def streamed() -> tuple[str, int]:
+            crc = crc_of_range(fd, start, size)
+            return send(FileRange(fd, start, size), crc), crc
+
+        if not self.bodies.fits(size):
+            return await self._retried(what, deadline, lambda: trio.to_thread.run_sync(
+                streamed, limiter=self.limiter))
+        async with self.bodies.borrow(size) as buf:
+            return await self._retried(what, deadline, lambda: trio.to_thread.run_sync(
+                from_buffer, buf, limiter=self.limiter))
 
     async def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]],
                                  crc: int | None = None, deadline: float | None = None) -> str:

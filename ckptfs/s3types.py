@@ -62,6 +62,9 @@ class S3(Protocol):
     async def put(self, key: str, body: bytes, metadata: dict[str, str],
                   deadline: float | None = None) -> str: ...
 
+    async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
+                       deadline: float | None = None) -> tuple[str, int]: ...
+
     async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True,
                                deadline: float | None = None) -> str: ...
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts
+from ckptfs.checksum import b64_crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
 from ckptfs.journal import Journal, Record
 from ckptfs.parts import PartPlan, PartRange
@@ -191,11 +191,7 @@ class Uploader:
 
     async def _put(self, fd: int, key: str, size: int, metadata: dict[str, str],
                    deadline: float) -> UploadResult:
-        body = await trio.to_thread.run_sync(os.pread, fd, size, 0)
-        if len(body) != size:
-            raise UploadError(f"staged file for {key} is shorter than {size} bytes")
-        crc = crc32(body)
-        etag = await self.s3.put(key, body, metadata, deadline)
+        etag, crc = await self.s3.put_file(key, fd, size, metadata, deadline)
         self.bytes_uploaded += size
         await self._verify(key, size, etag, crc, deadline)
         return UploadResult(etag, 1)

@@ -191,6 +191,11 @@ class MemoryS3:
             return self._store(key, body, metadata, "put", hashlib.md5(body).hexdigest())
         return await self._request("PUT", key, deadline, effect)
 
+    async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
+                       deadline: float | None = None) -> tuple[str, int]:
+        body = os.pread(fd, size, 0)
+        return await self.put(key, body, metadata, deadline), crc32(body)
+
     async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True,
                                deadline: float | None = None) -> str:
         def effect() -> str:

@@ -51,3 +51,12 @@ def test_endpoint_from_environment(monkeypatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     assert Config("s3://bucket", "/mnt").validate().endpoint_url == "http://127.0.0.1:9"
     assert Config("s3://bucket", "/mnt", endpoint_url="http://x").validate().endpoint_url == "http://x"
+
+
+def test_memory_budgets() -> None:
+    config = Config("s3://bucket", "/mnt", upload_memory=96 * 1024**2).validate()
+    assert config.upload_memory == 96 * 1024**2 and config.read_memory == 192 * 1024**2
+    with pytest.raises(ConfigError, match="--upload-memory must be at least 5MiB"):
+        Config("s3://bucket", "/mnt", upload_memory=1024).validate()
+    with pytest.raises(ConfigError, match="--read-memory must be at least 16MiB"):
+        Config("s3://bucket", "/mnt", read_memory=1024).validate()

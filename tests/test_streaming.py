@@ -178,3 +178,17 @@ def test_parts_larger_than_the_in_memory_limit_stream_from_the_staging_file(
     assert hashlib.sha256(s3_bytes(s3, key)).digest() == hashlib.sha256(data).digest()
     head = s3.head_object(Bucket=BUCKET, Key=key, PartNumber=1)
     assert head["ContentLength"] == 40 * MiB
+
+
+def test_parts_larger_than_the_upload_memory_stream_from_the_staged_file(mounter: Mounter, s3,
+                                                                         prefix: str) -> None:
+    """With --upload-memory below the part size, a part is not read into memory: it is sent
+    from the staged file (after a first pass for its CRC32), and the object is whole."""
+    mnt = mounter("--part-size", "8MiB", "--upload-memory", "5MiB")
+    data = os.urandom(19 * MiB)
+    (mnt.path / "big.bin").write_bytes(data)
+    (mnt.path / "small.bin").write_bytes(data[:3 * MiB])  # one PUT, within the budget
+    assert s3_bytes(s3, f"{prefix}/big.bin") == data
+    assert s3_bytes(s3, f"{prefix}/small.bin") == data[:3 * MiB]
+    head = s3.head_object(Bucket=BUCKET, Key=f"{prefix}/big.bin", ChecksumMode="ENABLED")
+    assert head.get("ChecksumCRC32")  # the full-object CRC32 from the parts' CRC32s
