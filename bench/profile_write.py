@@ -53,7 +53,7 @@ def main() -> int:
         for _ in range(per // MiB):
             f.write(os.urandom(MiB))
     try:
-        subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://prof/p", mnt, "--cache-dir",
+        subprocess.run([sys.executable, "-m", "ckptfs", "mount", "s3://prof/p", mnt, "--cache-dir",
                         cache, "--durability", args.durability], env=env, check=True)
         from ckptfs.client import state_path
         pid = json.load(open(state_path(mnt)))["pid"]

@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import write_bench  # noqa: E402
 from write_bench import (TUNED, Bench, Row, drop_caches, mount_s3fs, rclone_env,  # noqa: E402
                          unmount, wait_mount)
 
@@ -165,6 +166,7 @@ def main() -> int:
         return 2
     work = tempfile.mkdtemp(prefix="ckptfs-rbench-", dir=args.work)
     server = devserver.start(os.path.join(work, "s3"), bucket="bench")
+    write_bench.SERVER_PID = server.proc.pid  # drop_caches() waits for it to go idle
     b = ReadBench(work, server)
     b.ckptfs_args = shlex.split(args.ckptfs_args)
     size = int(args.gib * GiB)

@@ -63,8 +63,41 @@ class Row:
         return self.size / MiB / self.seconds if self.seconds else 0.0
 
 
+# The S3 server's pid: before each timed row the bench waits for it to go idle. Work left
+# over from one row (SeaweedFS keeps a core busy for seconds after a burst of uploads) would
+# otherwise be timed, and counted in CPU per GiB, in the next (seen: the sink row at 2.4
+# CPU s/GiB right after eight parallel uploads, 0.55 on its own).
+SERVER_PID: int | None = None
+
+
+def server_idle(limit: float = 60.0) -> None:
+    """Wait until the S3 server uses under 5 % of a core over a second (at most `limit` s)."""
+    if SERVER_PID is None:
+        return
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        before = Bench._cpu(SERVER_PID)
+        time.sleep(1.0)
+        if Bench._cpu(SERVER_PID) - before < 0.05:
+            return
+
+
+def dirty_bytes() -> int:
+    """Page cache not yet on disk, host-wide (Dirty + Writeback in /proc/meminfo)."""
+    total = 0
+    for line in open("/proc/meminfo"):
+        if line.startswith(("Dirty:", "Writeback:")):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
 def drop_caches() -> None:
+    """Start each timed row from the same state: the server idle, nothing dirty, no cache."""
+    server_idle()
     subprocess.run(["sync"], check=True)
+    deadline = time.monotonic() + 60
+    while dirty_bytes() > 64 * MiB and time.monotonic() < deadline:
+        time.sleep(0.2)
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
 
@@ -480,6 +513,8 @@ def main() -> int:
     _stop_on_sigterm()
     work = tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.work)
     server = devserver.start(os.path.join(work, "s3"), bucket="bench")
+    global SERVER_PID
+    SERVER_PID = server.proc.pid
     bench = Bench(work, server)
     bench.ckptfs_args = shlex.split(args.ckptfs_args)
     try:
