@@ -13,9 +13,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector, CollectorRegistry
 
 from ckptfs.config import human_size as _human
 from ckptfs.config import parse_addr
@@ -74,11 +71,16 @@ class Stats:
         return text
 
 
-class _Collector(Collector):
+class _Collector:
+    """prometheus_client's collector protocol (collect); imported only with --metrics-addr."""
+
     def __init__(self, stats: Stats) -> None:
         self.stats = stats
 
     def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+
         s = self.stats.snapshot
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -119,6 +121,9 @@ class _Collector(Collector):
 
 def serve(addr: str, stats: Stats) -> Any:
     """Serve /metrics on `addr` from a background thread; returns the server (for shutdown)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.registry import CollectorRegistry
+
     host, port = parse_addr(addr)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(stats))
