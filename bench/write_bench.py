@@ -483,6 +483,13 @@ def report(bench: Bench) -> str:
     return "\n".join(lines)
 
 
+def random_file(path: str, mib: int) -> str:
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(MiB))
+    return path
+
+
 def _stop_on_sigterm() -> None:
     import signal
 
@@ -530,18 +537,12 @@ def main() -> int:
             os.unlink(src)
             print(report(bench), flush=True)
         if args.writers:
-            src = os.path.join(work, "rank.bin")
-            with open(src, "wb") as f:
-                for _ in range(args.writer_mib):
-                    f.write(os.urandom(MiB))
+            src = random_file(os.path.join(work, "rank.bin"), args.writer_mib)
             run_writers(bench, src, args.writers, args.only_ckptfs)
             os.unlink(src)
             print(report(bench), flush=True)
         if args.checkpoint_mib:
-            src = os.path.join(work, "shard.bin")
-            with open(src, "wb") as f:
-                for _ in range(args.checkpoint_mib):
-                    f.write(os.urandom(MiB))
+            src = random_file(os.path.join(work, "shard.bin"), args.checkpoint_mib)
             workload = f"checkpoint-7x{args.checkpoint_mib}MiB"
             write = bench.checkpoint_writer(src, 7)
             size = bench.local_tree(workload, write)

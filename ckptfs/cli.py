@@ -51,8 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--durability", help="close (default: close() returns when the file is in S3) "
                    "or async (close() returns once staged; `ckptfs sync` waits for S3)")
     m.add_argument("--drain-timeout", help="seconds unmount waits for pending uploads (default 600)")
-    m.add_argument("--upload-timeout", help="seconds an upload keeps retrying through S3 faults "
-                   "before close() fails with EIO (default 120)")
+    m.add_argument("--upload-timeout", help="seconds an upload, or any other S3 request, keeps "
+                   "retrying through S3 faults before the call fails with EIO (default 120)")
     m.add_argument("--abort-stale-uploads-after", help="at mount, abort multipart uploads under the "
                    "prefix that no journal owns and that are older than this (default 1d)")
     m.add_argument("--spot-termination-watch", action="store_const", const=True,

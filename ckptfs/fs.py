@@ -319,7 +319,7 @@ class CheckpointFS(pyfuse3.Operations):
 
     @_guarded
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        return None  # directory changes are made in S3 synchronously
+        return None  # directory changes are in S3 (close mode) or journaled (async) on return
 
     # ----- files ---------------------------------------------------------
 
