@@ -136,19 +136,28 @@ def test_s3_outage_of_20_seconds_mid_upload(mounter: Mounter, s3_server: S3Serve
     mnt = mounter("--part-size", "5MiB", "--upload-timeout", "120")
     data = os.urandom(40 * MiB)
     outcome: list[BaseException | None] = []
+    halfway, go_on = threading.Event(), threading.Event()
 
     def write() -> None:
         try:
             with open(mnt.path / "through_outage.pt", "wb") as f:
-                f.write(data)
+                f.write(data[:20 * MiB])
+                hand_over(f)
+                halfway.set()
+                go_on.wait(60)  # the outage starts with the file open and parts in S3
+                f.write(data[20 * MiB:])
             outcome.append(None)
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             outcome.append(exc)
+        finally:
+            halfway.set()
 
     thread = threading.Thread(target=write)
     thread.start()
+    assert halfway.wait(60)
     wait_for_parts(s3, prefix, f"{prefix}/through_outage.pt", 1)
     s3_server.stop()
+    go_on.set()
     time.sleep(20)
     devserver.restart(s3_server)
     thread.join(150)
