@@ -199,8 +199,7 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
                   bodies=bodies)
     staging = StagingArea(config.cache_dir)
     journal = Journal(config.cache_dir)
-    uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency,
-                        stream_while_writing=config.durability == "close", journal=journal,
+    uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency, journal=journal,
                         upload_timeout=config.upload_timeout, nursery=nursery)
     oplog = OrderedLog(journal, uploader, s3, nursery=nursery)
     # Before the mount goes live: what an earlier daemon journaled reaches S3 first, and the

@@ -1,7 +1,8 @@
 """Async mode: every change reaches S3 through the ordered log (oplog.py), in order.
 
 A close or fsync appends the put of the file's bytes as they are then; from there the
-staged file is held (a later write works on a copy, files.py). Deletes, directory markers,
+staged file is held (a later write works on a copy, files.py). Parts stream while the file
+is written, as in close mode, and the put takes that multipart upload over. Deletes, directory markers,
 symlinks, renames and metadata are entries too. The mount shows each change at once; S3
 gets it in its turn, and `on_done` brings the inode up to date with what S3 then holds.
 """
@@ -26,6 +27,7 @@ from ckptfs.oplog import Entry, OrderedLog
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
+from ckptfs.uploads import FileUpload
 
 
 class LoggedChanges(ChangesBase):
@@ -52,15 +54,18 @@ class LoggedChanges(ChangesBase):
         rec = Record(os.path.basename(staged.path), key, True, node.size, object_metadata(node),
                      fsynced=fsynced, part_size=self.uploader.plan.base_size)
         clock = node.clock
+        up = node.upload  # the parts streamed while it was written: the entry takes them over
 
         def effect() -> None:
             staged.held = True
             node.pending += 1
             if node.clock == clock:
                 node.dirty = False
+            # The inode's next bytes (a copy, files.py) get an upload of their own.
+            node.upload = FileUpload(clock=up.clock)
 
         await self.log.append(rec, self.table.path_of(node), staged=staged, owner=node,
-                              on_done=self._entry_done, fresh=fresh, effect=effect)
+                              on_done=self._entry_done, fresh=fresh, effect=effect, up=up)
 
     def _entry_done(self, entry: Entry, etag: str | None) -> None:
         """S3 has applied a log entry about this inode (its `owner`)."""

@@ -38,7 +38,7 @@ from typing import Any
 import trio
 
 from ckptfs.errors import NoSuchKey, S3Error
-from ckptfs.journal import Journal, Record
+from ckptfs.journal import Journal, PartDone, Record
 from ckptfs.parts import PartPlan
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile
@@ -111,6 +111,23 @@ async def apply_op(s3: S3, rec: Record, deadline: float) -> str | None:
     raise ValueError(f"not an S3 change: {rec.op}")
 
 
+def _with_upload(rec: Record, up: FileUpload) -> Record:
+    """A put's record naming what its upload already has in S3: its multipart upload and the
+    parts current for these bytes (recovery resumes it), or, if that upload is of another
+    key (the file was renamed while written), that upload as an orphan to abort. The intent
+    of a create still in flight carries over (recovery aborts what it may have made)."""
+    old = up.record
+    intent = old.intent if old is not None else 0.0
+    orphan = old.key if old is not None and old.key != rec.key else None
+    if up.upload_id is None or up.key is None:
+        return dataclasses.replace(rec, intent=intent, orphan_key=orphan if intent else None)
+    if up.key != rec.key:
+        return dataclasses.replace(rec, intent=intent, orphan_key=up.key, orphan_id=up.upload_id)
+    parts = tuple(PartDone(n, p.start, p.end, p.etag, p.crc) for n, p in sorted(up.parts.items())
+                  if p.clock >= up.touched.get(n, 0) and p.end <= rec.size)
+    return dataclasses.replace(rec, upload_id=up.upload_id, parts=parts, intent=intent)
+
+
 class OrderedLog:
     def __init__(self, journal: Journal | None, uploader: Uploader, s3: S3, *,
                  nursery: trio.Nursery) -> None:
@@ -137,23 +154,31 @@ class OrderedLog:
     async def append(self, rec: Record, path: str, *, staged: StagedFile | None = None,
                      owner: Any = None, on_done: Callable[[Entry, str | None], None] | None = None,
                      masks: tuple[str, ...] = (), fresh: bool = False,
-                     effect: Callable[[], None] | None = None) -> Entry:
+                     effect: Callable[[], None] | None = None,
+                     up: FileUpload | None = None) -> Entry:
         """Journal a change as the next of the sequence, then apply `effect` to the mount.
 
         Returns once the record is on disk; S3 gets the change in its turn. `masks`: keys
-        (a trailing "/" masks a whole prefix) that S3 keeps showing until then.
+        (a trailing "/" masks a whole prefix) that S3 keeps showing until then. `up`: a put's
+        upload so far (the parts streamed while the file was written), which the entry takes
+        over with its journal record; the caller must no longer use it.
         """
         async with self._append_lock:
             seq = self._next_seq
             if rec.op != "put":
                 rec = dataclasses.replace(rec, name=self.op_name(seq))
             rec = dataclasses.replace(rec, seq=seq)
-            if self.journal is not None:
-                await trio.to_thread.run_sync(self.journal.write, rec)
+            if up is not None:
+                async with up.record_lock:  # no write of the upload's own record in between
+                    rec = _with_upload(rec, up)
+                    await self._write(rec)
+                    up.record, up.journal_name = rec, rec.name
+            else:
+                await self._write(rec)
             self._next_seq = seq + 1
             entry = Entry(rec, path, staged, owner, on_done, fresh,
                           dict(rec.metadata) if rec.op == "put" else None,
-                          appended_at=trio.current_time())
+                          appended_at=trio.current_time(), up=up)
             self._entries[seq] = entry
             for key in masks:
                 (self._prefixes if key.endswith("/") else self._exact)[key] = seq
@@ -182,6 +207,9 @@ class OrderedLog:
         """Move the last entry, a put of a name that had no object, to `key` (a rename of it).
 
         False if it is no longer the last entry or its object is already being made visible.
+        Parts already streamed under the old key are sent again under the new one: S3 never
+        shows the temporary name, and a large file renamed after close is rare (DCP renames
+        its small `.metadata`, which goes up in one PUT at its turn).
         """
         async with self._append_lock:
             if self.last() is not entry or entry.visible or not entry.fresh:
@@ -204,6 +232,10 @@ class OrderedLog:
             log.debug("log entry %d: the put moves to %s", entry.seq, path)
             if entry.scope is not None:
                 entry.scope.cancel()  # it starts again under the new key
+            if old is not None:
+                # Its multipart upload (if the entry's task has not started, nobody else
+                # would) goes; the record names it as an orphan until then.
+                self._nursery.start_soon(self.uploader.abort, old)
             effect()
             return True
 

@@ -16,7 +16,6 @@ retry.py) while the fault is transient, until the upload's deadline
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -26,7 +25,7 @@ import trio
 
 from ckptfs.checksum import b64_crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
-from ckptfs.journal import Journal, Record
+from ckptfs.journal import Journal
 from ckptfs.parts import PartPlan, PartRange
 from ckptfs.retry import RetryPolicy
 from ckptfs.s3types import S3
@@ -45,8 +44,8 @@ class Uploader:
                  nursery: trio.Nursery) -> None:
         self.s3 = s3
         self.plan = plan
-        # Off in async mode: there close() waits for nothing in S3, and on a small host the
-        # parts sent during the write slow the writer down (measured: bench/write_bench.py).
+        # In both modes: in async mode the ordered log's put takes the parts streamed so far
+        # over at close (oplog.py), so S3 has the file as soon as in close mode.
         self.stream_while_writing = stream_while_writing
         self.parts_limiter = trio.CapacityLimiter(concurrency)
         self._nursery = nursery  # holds the parts streamed while files are written
@@ -206,14 +205,8 @@ class Uploader:
                 await self.records.intent(up, key)
                 upload_id = await self.s3.create_multipart(key, meta, deadline=deadline)
                 up.metadata, up.upload_id, up.key = meta, upload_id, key
-                # Journal the upload at once, so a crash leaves nothing unowned in S3.
-                rec = up.record
                 try:
-                    if rec is not None and rec.closed and rec.key == key:
-                        await self.records.save(up, dataclasses.replace(rec, upload_id=upload_id, parts=()))
-                    else:
-                        await self.records.save(up, Record(up.journal_name or "", key, False,
-                                                    upload_id=upload_id))
+                    await self.records.created(up, key, upload_id)
                 except OSError as exc:
                     # Only a convenience: after a crash an upload nobody recorded is aborted
                     # as an orphan. A full cache disk must not stop the upload that frees it.

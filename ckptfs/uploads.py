@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -73,13 +74,18 @@ class UploadRecords:
         self.plan = plan
 
     async def save(self, up: FileUpload, rec: Record | None) -> None:
+        await self.update(up, lambda _: rec)
+
+    async def update(self, up: FileUpload, make: Callable[[Record | None], Record | None]) -> None:
+        """Replace the record with `make(the record now)`, computed under the record's lock:
+        the ordered log may turn it into an entry's record (a put adopting this upload, or a
+        retarget) while a write of it waits, and must never be overwritten by a stale one."""
         if self.journal is None or up.journal_name is None:
             return
         async with up.record_lock:
-            # Checked again under the lock: the ordered log may have taken the record over
-            # (a retarget) while this write waited, and must not be overwritten by it.
             if up.journal_name is None:
                 return
+            rec = make(up.record)
             if rec is None:
                 if up.record is not None:
                     await trio.to_thread.run_sync(self.journal.remove, up.journal_name)
@@ -109,26 +115,40 @@ class UploadRecords:
         """Before CreateMultipartUpload: a crash before its id is journaled must not leave an
         upload nobody owns. Recovery aborts uploads of `key` started since `intent` that no
         record names (and only those: never another key's, nor an older one)."""
-        rec = up.record
-        # The earliest intent covers every attempt (a retry creates another upload).
-        since = rec.intent if rec is not None and rec.intent and rec.key == key else time.time()
-        try:
+        now = time.time()
+
+        def make(rec: Record | None) -> Record:
+            # The earliest intent covers every attempt (a retry creates another upload).
+            since = rec.intent if rec is not None and rec.intent and rec.key == key else now
             if rec is not None and rec.closed and rec.key == key:
-                await self.save(up, dataclasses.replace(rec, intent=since))
-            else:
-                await self.save(up, Record(up.journal_name or "", key, False, intent=since))
+                return dataclasses.replace(rec, intent=since)
+            return Record(up.journal_name or "", key, False, intent=since)
+        try:
+            await self.update(up, make)
         except OSError as exc:
             log.warning("could not journal the intent to upload %s (%s); going on", key, exc)
 
+    async def created(self, up: FileUpload, key: str, upload_id: str) -> None:
+        """The multipart upload exists: journal its id at once, so a crash leaves nothing
+        unowned in S3."""
+        def make(rec: Record | None) -> Record:
+            if rec is not None and rec.closed and rec.key == key:
+                return dataclasses.replace(rec, upload_id=upload_id, parts=())
+            return Record(up.journal_name or "", key, False, upload_id=upload_id)
+        await self.update(up, make)
+
     async def changing(self, up: FileUpload) -> None:
         """The staged bytes are about to change: a closed record no longer describes them."""
-        rec = up.record
-        if rec is None or not rec.closed:
+        if up.record is None or not up.record.closed:
             return
-        if up.upload_id is not None and up.key is not None:
-            await self.save(up, Record(rec.name, up.key, False, upload_id=up.upload_id))
-        else:
-            await self.save(up, None)
+
+        def make(rec: Record | None) -> Record | None:
+            if rec is None or not rec.closed or rec.seq:
+                return rec  # an entry of the ordered log describes bytes that never change
+            if up.upload_id is not None and up.key is not None:
+                return Record(rec.name, up.key, False, upload_id=up.upload_id)
+            return None
+        await self.update(up, make)
 
     async def forget(self, up: FileUpload) -> None:
         """The bytes are in S3 (or were unlinked): nothing is left to recover."""

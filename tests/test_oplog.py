@@ -175,3 +175,50 @@ async def test_recovery_goes_on_past_a_set_aside_put_after_another_record_failed
     assert [k for k, _ in report.failed] == ["close-mode"]
     assert [k for k, _ in report.set_aside] == ["lost-1"]
     assert "gone" not in s3.objects and report.replayed == 1  # the delete was still applied
+
+
+async def test_a_put_takes_over_the_upload_streamed_while_the_file_was_written(tmp_path: Path) -> None:
+    """Async mode streams parts during the write; the put appended at close adopts that
+    multipart upload: its record names the upload (recovery resumes it), and the intent of a
+    create still in flight carries over. No part is sent twice."""
+    s3 = FakeS3()
+    created = trio.Event()
+    create = s3.create_multipart
+
+    async def slow_create(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await created.wait()
+        return await create(*args, **kwargs)
+    s3.create_multipart = slow_create  # type: ignore[method-assign]
+    s3.part_gate.clear()
+    async with trio.open_nursery() as nursery:
+        journal = Journal(str(tmp_path))
+        uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal,  # type: ignore[arg-type]
+                            upload_timeout=10, nursery=nursery)
+        log = OrderedLog(journal, uploader, s3, nursery=nursery)  # type: ignore[arg-type]
+        staged = StagingArea(str(tmp_path)).new_file()
+        name = os.path.basename(staged.path)
+        data = os.urandom(11 * MiB)
+        staged.pwrite(data, 0)
+        up = FileUpload(journal_name=name)
+        uploader.note_write(up, staged.path, lambda: "ck/model.pt", dict, 0, len(data))
+        await trio.sleep(0.1)  # parts 1 and 2 stream; their create waits
+        [rec] = records(tmp_path)
+        assert not rec.closed and rec.intent and rec.seq == 0
+        staged.held = True
+        await log.append(Record(name, "ck/model.pt", True, len(data), part_size=5 * MiB),
+                         "ck/model.pt", staged=staged, fresh=True, up=up)
+        [rec] = records(tmp_path)
+        assert rec.seq == 1 and rec.closed and rec.intent and rec.upload_id is None
+        created.set()
+        with trio.fail_after(10):
+            while records(tmp_path)[0].upload_id is None:
+                await trio.sleep(0.01)
+        [rec] = records(tmp_path)
+        assert rec.seq == 1 and rec.closed and rec.upload_id == up.upload_id
+        s3.part_gate.set()
+        with trio.fail_after(10):
+            await log.drain()
+    assert s3.objects["ck/model.pt"] == data
+    assert [op for op, _ in s3.requests].count("CreateMultipartUpload") == 1
+    assert [op for op, _ in s3.requests].count("UploadPart") == 3
+    assert records(tmp_path) == [] and s3.uploads == {}

@@ -66,6 +66,29 @@ def test_parts_go_up_before_close(mounter: Mounter, s3, prefix: str) -> None:
     assert head.get("ChecksumCRC32")  # the object's full CRC32 is recorded by S3
 
 
+def test_async_mode_streams_parts_and_its_put_completes_that_upload(proxied, s3, prefix: str) -> None:
+    """In async mode too, parts go up while the file is written; the ordered log's put takes
+    that multipart upload over at close and sends only what is missing."""
+    proxy, mounter = proxied
+    mnt = mounter("--durability", "async", "--part-size", "5MiB")
+    sent: list[tuple[str, str]] = []
+    proxy.fail_when = lambda method, path: bool(sent.append((method, path)))  # fails nothing
+    data = os.urandom(23 * MiB)
+    key = f"{prefix}/stream.bin"
+    with open(mnt.path / "stream.bin", "wb") as f:
+        f.write(data[:16 * MiB])
+        hand_over(f)
+        assert wait_for_parts(s3, prefix, key, 3)[:3] == [1, 2, 3]
+        f.write(data[16 * MiB:])
+    assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    assert hashlib.sha256(s3_bytes(s3, key)).digest() == hashlib.sha256(data).digest()
+    assert open_uploads(s3, prefix) == []
+    parts = [path for method, path in sent if method == "PUT" and "partNumber=" in path]
+    assert len(parts) == 5  # each part sent once
+    assert len([path for method, path in sent if method == "POST" and "uploads" in path
+                and "uploadId=" not in path]) == 1
+
+
 def test_rewritten_part_is_uploaded_again(mounter: Mounter, s3, prefix: str) -> None:
     mnt = mounter("--part-size", "5MiB")
     data = bytearray(os.urandom(17 * MiB))
