@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ from ckptfs.checksum import crc32
 from ckptfs.errors import S3Error
 
 _READ_CHUNK = 1 << 20
+_local = threading.local()  # each worker thread's read buffer
 
 
 def scatter(data: bytes, outs: list[memoryview], filled: Callable[[int], None] | None) -> None:
@@ -28,7 +30,7 @@ class FileRange(io.RawIOBase):
 
     def __init__(self, fd: int, start: int, length: int) -> None:
         super().__init__()
-        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+        self.fd, self.start, self.length, self._pos = fd, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -37,23 +39,23 @@ class FileRange(io.RawIOBase):
         return True
 
     def __len__(self) -> int:
-        return self._length
+        return self.length
 
     def tell(self) -> int:
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, min(self._length, base + offset))
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.length}[whence]
+        self._pos = max(0, min(self.length, base + offset))
         return self._pos
 
     def read(self, size: int | None = -1) -> bytes:
-        remaining = self._length - self._pos
+        remaining = self.length - self._pos
         if size is None or size < 0 or size > remaining:
             size = remaining
         if size == 0:
             return b""
-        data = os.pread(self._fd, size, self._start + self._pos)
+        data = os.pread(self.fd, size, self.start + self._pos)
         if len(data) != size:
             raise S3Error("the staged file is shorter than its recorded size", retryable=False)
         self._pos += len(data)
@@ -66,12 +68,19 @@ class FileRange(io.RawIOBase):
 
 
 def crc_of_range(fd: int, start: int, length: int) -> int:
+    """CRC32 of bytes [start, start + length) of a file, read a chunk at a time into one
+    buffer per thread. Not through a mapping: a file truncated meanwhile (a writer's
+    O_TRUNC while its part streams) would kill the daemon with SIGBUS."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(_READ_CHUNK))
     crc = 0
     done = 0
     while done < length:
-        chunk = os.pread(fd, min(_READ_CHUNK, length - done), start + done)
-        if not chunk:
+        n = min(_READ_CHUNK, length - done)
+        got = os.preadv(fd, [buf[:n]], start + done)
+        if got <= 0:
             raise S3Error("the staged file is shorter than its recorded size", retryable=False)
-        crc = crc32(chunk, crc)
-        done += len(chunk)
+        crc = crc32(buf[:got], crc)
+        done += got
     return crc

@@ -46,6 +46,7 @@ from ckptfs.spot import watch as watch_spot
 from ckptfs.staging import StagingArea
 from ckptfs.tree import Tree
 from ckptfs.uploader import Uploader
+from ckptfs.zerocopy import SendfileSender
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +196,11 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
                             pool=config.concurrency + 8)
     # One retry policy for every request of the mount (and its spot-notice hurry).
     bodies = BufferBudget(config.upload_memory)
+    sendfile = SendfileSender.applies(config.endpoint_url)
+    if sendfile:  # plain HTTP: the kernel sends staged bytes itself
+        SendfileSender(config.endpoint_url or "", timeout=60).install(boto)
     s3 = S3Client(boto, config.bucket, limiter, RetryPolicy(), timeout=config.upload_timeout,
-                  bodies=bodies)
+                  bodies=bodies, sendfile=sendfile)
     staging = StagingArea(config.cache_dir)
     journal = Journal(config.cache_dir)
     uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency, journal=journal,

@@ -142,13 +142,16 @@ class S3Client:
 
     def __init__(self, boto_client: Any, bucket: str, limiter: trio.CapacityLimiter,
                  policy: RetryPolicy | None = None, timeout: float = 120.0,
-                 bodies: BufferBudget | None = None) -> None:
+                 bodies: BufferBudget | None = None, sendfile: bool = False) -> None:
         self._c = boto_client
         self.bucket = bucket
         self.limiter = limiter
         self.policy = policy or RetryPolicy()
         self.timeout = timeout  # how long a request without a deadline of its own is retried
         self.bodies = bodies or BufferBudget(48 << 20)  # bodies read from staged files
+        # The client sends FileRange bodies with sendfile (zerocopy.py): staged bytes never
+        # need a buffer, only a pass for their CRC32.
+        self.sendfile = sendfile
 
     async def _retried(self, what: str, deadline: float | None,
                        attempt: Callable[[], Awaitable[T]]) -> T:
@@ -307,9 +310,10 @@ class S3Client:
                           deadline: float | None,
                           send: Callable[[Any, int], str]) -> tuple[str, int]:
         """Send bytes [start, start + size) of `fd` with `send(body, crc)` in a worker thread,
-        retried. Within the memory budget the bytes are read once into a buffer, then
-        checksummed and sent from it; a body larger than the whole budget streams from the
-        file, after a first pass for its CRC32."""
+        retried. Where the client sends with sendfile, and for a body larger than the whole
+        memory budget, the body is a view of the file, sent after a first pass for its
+        CRC32; otherwise the bytes are read once into a buffer of the budget, then
+        checksummed and sent from it."""
         def from_buffer(buf: bytearray) -> tuple[str, int]:
             if os.preadv(fd, [buf], start) != size:
                 raise S3Error("the staged file is shorter than its recorded size", retryable=False)
@@ -320,7 +324,7 @@ class S3Client:
             crc = crc_of_range(fd, start, size)
             return send(FileRange(fd, start, size), crc), crc
 
-        if not self.bodies.fits(size):
+        if self.sendfile or not self.bodies.fits(size):
             return await self._retried(what, deadline, lambda: trio.to_thread.run_sync(
                 streamed, limiter=self.limiter))
         async with self.bodies.borrow(size) as buf:
