@@ -122,6 +122,10 @@ class UploadRecords:
             since = rec.intent if rec is not None and rec.intent and rec.key == key else now
             if rec is not None and rec.closed and rec.key == key:
                 return dataclasses.replace(rec, intent=since)
+            if rec is not None and rec.seq:
+                # A log entry's put of another key (renamed while written): it stays, and
+                # names this key for recovery to abort what the create may make.
+                return dataclasses.replace(rec, intent=rec.intent or now, orphan_key=key)
             return Record(up.journal_name or "", key, False, intent=since)
         try:
             await self.update(up, make)
@@ -134,6 +138,9 @@ class UploadRecords:
         def make(rec: Record | None) -> Record:
             if rec is not None and rec.closed and rec.key == key:
                 return dataclasses.replace(rec, upload_id=upload_id, parts=())
+            if rec is not None and rec.seq:
+                # A log entry's put of another key: the upload is an orphan it names.
+                return dataclasses.replace(rec, orphan_key=key, orphan_id=upload_id)
             return Record(up.journal_name or "", key, False, upload_id=upload_id)
         await self.update(up, make)
 

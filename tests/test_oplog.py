@@ -222,3 +222,45 @@ async def test_a_put_takes_over_the_upload_streamed_while_the_file_was_written(t
     assert [op for op, _ in s3.requests].count("CreateMultipartUpload") == 1
     assert [op for op, _ in s3.requests].count("UploadPart") == 3
     assert records(tmp_path) == [] and s3.uploads == {}
+
+
+async def test_a_create_of_the_old_name_returning_after_the_put_never_replaces_its_record(
+        tmp_path: Path) -> None:
+    """Renamed while written, with the create of the old name in flight at close: when it
+    returns, the entry's record stays (naming that upload as an orphan), and it is aborted."""
+    s3 = FakeS3()
+    created = trio.Event()
+    create = s3.create_multipart
+
+    async def slow_create(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await created.wait()
+        return await create(*args, **kwargs)
+    s3.create_multipart = slow_create  # type: ignore[method-assign]
+    s3.part_gate.clear()
+    async with trio.open_nursery() as nursery:
+        journal = Journal(str(tmp_path))
+        uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal,  # type: ignore[arg-type]
+                            upload_timeout=10, nursery=nursery)
+        log = OrderedLog(journal, uploader, s3, nursery=nursery)  # type: ignore[arg-type]
+        staged = StagingArea(str(tmp_path)).new_file()
+        name = os.path.basename(staged.path)
+        data = os.urandom(11 * MiB)
+        staged.pwrite(data, 0)
+        up = FileUpload(journal_name=name)
+        uploader.note_write(up, staged.path, lambda: "ck/old.pt", dict, 0, len(data))
+        await trio.sleep(0.1)
+        staged.held = True
+        await log.append(Record(name, "ck/new.pt", True, len(data), part_size=5 * MiB),
+                         "ck/new.pt", staged=staged, up=up)
+        created.set()
+        with trio.fail_after(10):
+            while records(tmp_path)[0].orphan_id is None:
+                await trio.sleep(0.01)
+        [rec] = records(tmp_path)
+        assert (rec.seq, rec.closed, rec.key, rec.orphan_key) == (1, True, "ck/new.pt", "ck/old.pt")
+        s3.part_gate.set()
+        with trio.fail_after(10):
+            await log.drain()
+        assert records(tmp_path) == []
+    assert s3.objects["ck/new.pt"] == data and "ck/old.pt" not in s3.objects
+    assert s3.uploads == {}  # the old name's upload was aborted
