@@ -16,7 +16,7 @@ import trio.testing
 from ckptfs.journal import Journal, Record
 from ckptfs.oplog import OrderedLog
 from ckptfs.parts import PartPlan
-from ckptfs.staging import StagingArea
+from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload
 from fakes3 import MemoryS3 as FakeS3
@@ -177,11 +177,8 @@ async def test_recovery_goes_on_past_a_set_aside_put_after_another_record_failed
     assert "gone" not in s3.objects and report.replayed == 1  # the delete was still applied
 
 
-async def test_a_put_takes_over_the_upload_streamed_while_the_file_was_written(tmp_path: Path) -> None:
-    """Async mode streams parts during the write; the put appended at close adopts that
-    multipart upload: its record names the upload (recovery resumes it), and the intent of a
-    create still in flight carries over. No part is sent twice."""
-    s3 = FakeS3()
+def gate_creates(s3: FakeS3) -> trio.Event:
+    """Hold every CreateMultipartUpload (and, through part_gate, every part) until set."""
     created = trio.Event()
     create = s3.create_multipart
 
@@ -190,18 +187,35 @@ async def test_a_put_takes_over_the_upload_streamed_while_the_file_was_written(t
         return await create(*args, **kwargs)
     s3.create_multipart = slow_create  # type: ignore[method-assign]
     s3.part_gate.clear()
+    return created
+
+
+async def streaming(tmp_path: Path, s3: FakeS3, nursery: trio.Nursery, key: str,
+                    data: bytes) -> tuple[OrderedLog, StagedFile, FileUpload]:
+    """A log whose uploader streams, and a staged file whose write of `data` under `key`
+    started streaming its parts (as async mode does while a file is written)."""
+    journal = Journal(str(tmp_path))
+    uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal,  # type: ignore[arg-type]
+                        upload_timeout=10, nursery=nursery)
+    log = OrderedLog(journal, uploader, s3, nursery=nursery)  # type: ignore[arg-type]
+    staged = StagingArea(str(tmp_path)).new_file()
+    staged.pwrite(data, 0)
+    up = FileUpload(journal_name=os.path.basename(staged.path))
+    uploader.note_write(up, staged.path, lambda: key, dict, 0, len(data))
+    await trio.sleep(0.1)  # parts 1 and 2 stream; their create waits
+    return log, staged, up
+
+
+async def test_a_put_takes_over_the_upload_streamed_while_the_file_was_written(tmp_path: Path) -> None:
+    """Async mode streams parts during the write; the put appended at close adopts that
+    multipart upload: its record names the upload (recovery resumes it), and the intent of a
+    create still in flight carries over. No part is sent twice."""
+    s3 = FakeS3()
+    created = gate_creates(s3)
+    data = os.urandom(11 * MiB)
     async with trio.open_nursery() as nursery:
-        journal = Journal(str(tmp_path))
-        uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal,  # type: ignore[arg-type]
-                            upload_timeout=10, nursery=nursery)
-        log = OrderedLog(journal, uploader, s3, nursery=nursery)  # type: ignore[arg-type]
-        staged = StagingArea(str(tmp_path)).new_file()
+        log, staged, up = await streaming(tmp_path, s3, nursery, "ck/model.pt", data)
         name = os.path.basename(staged.path)
-        data = os.urandom(11 * MiB)
-        staged.pwrite(data, 0)
-        up = FileUpload(journal_name=name)
-        uploader.note_write(up, staged.path, lambda: "ck/model.pt", dict, 0, len(data))
-        await trio.sleep(0.1)  # parts 1 and 2 stream; their create waits
         [rec] = records(tmp_path)
         assert not rec.closed and rec.intent and rec.seq == 0
         staged.held = True
@@ -229,29 +243,13 @@ async def test_a_create_of_the_old_name_returning_after_the_put_never_replaces_i
     """Renamed while written, with the create of the old name in flight at close: when it
     returns, the entry's record stays (naming that upload as an orphan), and it is aborted."""
     s3 = FakeS3()
-    created = trio.Event()
-    create = s3.create_multipart
-
-    async def slow_create(*args, **kwargs):  # type: ignore[no-untyped-def]
-        await created.wait()
-        return await create(*args, **kwargs)
-    s3.create_multipart = slow_create  # type: ignore[method-assign]
-    s3.part_gate.clear()
+    created = gate_creates(s3)
+    data = os.urandom(11 * MiB)
     async with trio.open_nursery() as nursery:
-        journal = Journal(str(tmp_path))
-        uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal,  # type: ignore[arg-type]
-                            upload_timeout=10, nursery=nursery)
-        log = OrderedLog(journal, uploader, s3, nursery=nursery)  # type: ignore[arg-type]
-        staged = StagingArea(str(tmp_path)).new_file()
-        name = os.path.basename(staged.path)
-        data = os.urandom(11 * MiB)
-        staged.pwrite(data, 0)
-        up = FileUpload(journal_name=name)
-        uploader.note_write(up, staged.path, lambda: "ck/old.pt", dict, 0, len(data))
-        await trio.sleep(0.1)
+        log, staged, up = await streaming(tmp_path, s3, nursery, "ck/old.pt", data)
         staged.held = True
-        await log.append(Record(name, "ck/new.pt", True, len(data), part_size=5 * MiB),
-                         "ck/new.pt", staged=staged, up=up)
+        await log.append(Record(os.path.basename(staged.path), "ck/new.pt", True, len(data),
+                                part_size=5 * MiB), "ck/new.pt", staged=staged, up=up)
         created.set()
         with trio.fail_after(10):
             while records(tmp_path)[0].orphan_id is None:
