@@ -67,6 +67,7 @@ class Entry:
     visible: bool = False  # its visible request was sent: it can no longer be rewritten
     scope: trio.CancelScope | None = None
     appended_at: float = 0.0  # trio time of the append
+    awaited: bool = False  # `ckptfs sync` waits for it: its rename grace is over
 
     @property
     def seq(self) -> int:
@@ -303,8 +304,9 @@ class OrderedLog:
             # rename (os.replace after torch.save to a temp name) or a chmod/utime (copy2)
             # that would rewrite it. Once visible, a rename would take two steps in S3.
             # Large files spend longer than this on their parts: it costs them nothing.
+            # A `ckptfs sync` waiting for it ends the grace: it asked for S3 now.
             with trio.move_on_at(entry.appended_at + REWRITE_GRACE):
-                while self.last() is entry:
+                while self.last() is entry and not entry.awaited:
                     await self._changed.wait()
         # A retarget that cancelled this entry lands here, before anything is sent.
         await trio.lowlevel.checkpoint()
@@ -389,6 +391,9 @@ class OrderedLog:
             return []
         last = max(mine)
         start = {seq: e.attempts for seq, e in self._entries.items() if seq <= last}
+        for seq in start:
+            self._entries[seq].awaited = True
+        self._notify()
         while True:
             changed = self._changed
             if last not in self._entries:

@@ -104,6 +104,19 @@ async def test_a_rename_retargets_the_last_put_and_never_copies(tmp_path: Path) 
     assert s3.uploads == {}  # the upload under the old key was aborted
 
 
+async def test_a_sync_ends_the_rename_grace_of_the_last_put(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("ckptfs.oplog.REWRITE_GRACE", 30.0)
+    s3 = FakeS3()
+    async with trio.open_nursery() as nursery:
+        log, staging, _ = make(tmp_path, s3, nursery)
+        await put(log, staging, "ck.pt", b"x")
+        await trio.sleep(0.3)
+        assert s3.visible == []  # it waits for a rename of it...
+        with trio.fail_after(10):
+            assert await log.wait() == []  # ...until a sync asks for it
+    assert s3.visible == [("put", "ck.pt")]
+
+
 async def test_no_retarget_once_another_entry_follows(tmp_path: Path) -> None:
     s3 = FakeS3()
     async with trio.open_nursery() as nursery:
