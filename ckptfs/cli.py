@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from ckptfs import client
@@ -68,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     y = sub.add_parser("sync", help="wait until every closed file under PATH is in S3")
     y.add_argument("mountpoint")
     y.add_argument("path", nargs="?", default="", help="a file or directory in the mount (default: all)")
+    y.add_argument("--timeout", type=float, help="give up (exit 1) after this many seconds")
+    y.add_argument("--json", action="store_true",
+                   help="print the status (as `status --json`) with the sync's outcome")
 
     st = sub.add_parser("status", help="show pending uploads, retries, recovery and spot notices")
     st.add_argument("mountpoint")
@@ -140,29 +144,99 @@ def _spawn_daemon(config: Config) -> int:
     return 1
 
 
-def _sync(mountpoint: str, path: str) -> int:
+def _sync(mountpoint: str, path: str, timeout: float | None, as_json: bool) -> int:
+    """Wait for the daemon's answer in a thread; meanwhile, on a terminal, show what is left."""
     mountpoint = os.path.abspath(mountpoint)
     if not client.is_mounted(mountpoint):
         raise MountError(f"{mountpoint} is not mounted")
-    rel = ""
-    if path:
-        full = os.path.abspath(path if os.path.isabs(path) or path.startswith(".") else
-                               os.path.join(mountpoint, path))
-        if full != mountpoint and not full.startswith(mountpoint + "/"):
-            raise ConfigError(f"{path} is not inside {mountpoint}")
-        rel = os.path.relpath(full, mountpoint).strip(".") if full != mountpoint else ""
-    show = sys.stderr.isatty()
+    if timeout is not None and timeout <= 0:
+        raise ConfigError("--timeout must be a positive number of seconds")
+    rel = _relative(mountpoint, path)
+    ctl = client.control_path(mountpoint)
+    answer: dict = {}
+
+    def wait() -> None:
+        try:
+            answer["reply"] = client.request(ctl, {"op": "sync", "path": rel})
+        except CkptfsError as exc:
+            answer["error"] = exc
+    started = time.monotonic()
+    before = _pending_under(_status_of(ctl), rel)
+    waiter = threading.Thread(target=wait, name="sync", daemon=True)
+    waiter.start()
+    show = sys.stdout.isatty() and not as_json
+    while waiter.is_alive():
+        left = None if timeout is None else started + timeout - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        waiter.join(0.5 if left is None else min(0.5, left))
+        if show and waiter.is_alive():
+            sys.stdout.write("\r\x1b[2K" + _progress_line(_status_of(ctl), rel, before))
+            sys.stdout.flush()
     if show:
-        sys.stderr.write(f"ckptfs: waiting for uploads under {mountpoint}/{rel}...\r")
-    reply = client.request(client.control_path(mountpoint), {"op": "sync", "path": rel})
-    if show:
-        sys.stderr.write("\x1b[2K")
-    failed = reply.get("failed", [])
+        sys.stdout.write("\r\x1b[2K")
+    seconds = time.monotonic() - started
+    failed = answer["reply"].get("failed", []) if "reply" in answer else []
+    if as_json:
+        st = _status_of(ctl)
+        if st is None:
+            raise MountError(f"the daemon of {mountpoint} does not answer status requests")
+        st.update(synced="reply" in answer and not failed, failed_sync=failed, path=rel,
+                  timed_out="reply" not in answer and "error" not in answer, seconds=round(seconds, 3))
+        print(json.dumps(st, indent=2, sort_keys=True))
+    if "error" in answer:
+        raise answer["error"]
+    where = f"{mountpoint}/{rel}" if rel else mountpoint
+    if "reply" not in answer:
+        files, size, _ = _pending_under(_status_of(ctl), rel)
+        raise MountError(f"sync of {where} timed out after {timeout:g}s: {files} changes "
+                         f"({_human(size)}) not in S3 yet; uploads go on")
     if failed:
         first_path, reason = failed[0]
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
         raise MountError(f"upload of {first_path} failed: {reason}{more}")
+    if not as_json:
+        files, size, _ = before
+        print(f"{PROG}: {where} is in S3 ({files} changes, {_human(size)}, were pending; {seconds:.1f}s)")
     return 0
+
+
+def _relative(mountpoint: str, path: str) -> str:
+    """PATH (absolute, ./relative, or relative to the mount) as a path inside the mount."""
+    if not path:
+        return ""
+    full = os.path.abspath(path if os.path.isabs(path) or path.startswith(".") else
+                           os.path.join(mountpoint, path))
+    if full != mountpoint and not full.startswith(mountpoint + "/"):
+        raise ConfigError(f"{path} is not inside {mountpoint}")
+    return os.path.relpath(full, mountpoint).strip(".") if full != mountpoint else ""
+
+
+def _status_of(ctl: str) -> dict | None:
+    """The daemon's status, or None if it does not answer within a few seconds."""
+    try:
+        return client.request(ctl, {"op": "status"}, timeout=5)
+    except (CkptfsError, OSError, ValueError):
+        return None
+
+
+def _pending_under(st: dict | None, rel: str) -> tuple[int, int, int]:
+    """(files, bytes, retries so far) of the changes under `rel` S3 does not have yet."""
+    if st is None:
+        return 0, 0, 0
+    mine = [p for p in st["pending"]
+            if not rel or p["path"] == rel or p["path"].startswith(rel.rstrip("/") + "/")]
+    return len(mine), sum(p["size"] for p in mine), st["retries"]
+
+
+def _progress_line(st: dict | None, rel: str, before: tuple[int, int, int]) -> str:
+    if st is None:
+        return f"{PROG} sync: waiting (the daemon is busy)"
+    files, size, retries = _pending_under(st, rel)
+    rate = st["upload_throughput_bytes_per_second"]
+    eta = f"{size / rate:.0f}s" if rate > 0 else "?"
+    return (f"{PROG} sync: {files} changes ({_human(size)}) left, {_human(rate)}/s, ETA {eta}, "
+            f"{retries - before[2]} retries")
 
 
 def _status(mountpoint: str, as_json: bool) -> int:
@@ -260,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "unmount":
             return _unmount(args.mountpoint, args.timeout)
         if args.command == "sync":
-            return _sync(args.mountpoint, args.path)
+            return _sync(args.mountpoint, args.path, args.timeout, args.json)
         if args.command == "status":
             return _status(args.mountpoint, args.json)
     except ConfigError as exc:

@@ -48,7 +48,10 @@ async def serve(path: str, handlers: dict[str, Any], task_status=trio.TASK_STATU
                 reply = await handler(request)
             except (ValueError, KeyError) as exc:
                 reply = {"error": f"bad request: {exc}"}
-            await stream.send_all(json.dumps(reply).encode() + b"\n")
+            try:
+                await stream.send_all(json.dumps(reply).encode() + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client gave up (`ckptfs sync --timeout`, Ctrl-C) before the answer
 
     try:
         await trio.serve_listeners(one, [listener])

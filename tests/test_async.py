@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pty
+import re
+import subprocess
 
-from conftest import BUCKET, Mounter, run_ckptfs, s3_bytes, s3_keys
+from conftest import BUCKET, Mounter, ckptfs_cmd, client_env, run_ckptfs, s3_bytes, s3_keys
 
 
 def test_async_close_then_sync_puts_everything_in_s3(mounter: Mounter, s3, prefix: str) -> None:
@@ -62,3 +66,53 @@ def test_sync_in_close_mode_returns_at_once_and_checks_its_arguments(mnt, tmp_pa
     r = run_ckptfs("sync", str(tmp_path))
     assert r.returncode == 1 and "is not mounted" in r.stderr
     assert BUCKET
+
+
+def test_sync_shows_progress_on_a_terminal_and_only_its_last_line_elsewhere(proxied) -> None:
+    proxy, mounter = proxied
+    mnt = mounter("--durability", "async", "--part-size", "5MiB")
+    proxy.delay = 1.0  # every request: the sync lasts seconds
+    (mnt.path / "big.pt").write_bytes(os.urandom(12 * 1024 * 1024))
+    main, sub = pty.openpty()
+    proc = subprocess.Popen(ckptfs_cmd("sync", str(mnt.path)), stdout=sub, stderr=subprocess.PIPE,
+                            env=client_env())
+    os.close(sub)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(main)
+    assert proc.wait(60) == 0, proc.stderr.read()
+    text = shown.decode()
+    assert re.search(r"ckptfs sync: [1-9]\d* changes \(12\.0 MiB\) left, .*/s, ETA \S+, 0 retries", text), text
+    assert "is in S3 (1 changes, 12.0 MiB, were pending" in text
+    (mnt.path / "small.pt").write_bytes(b"x" * 100)
+    r = run_ckptfs("sync", str(mnt.path))  # a pipe, not a terminal
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\n") == 1 and "left" not in r.stdout and "is in S3" in r.stdout, r.stdout
+
+
+def test_sync_timeout_gives_up_with_one_line_and_json_reports_the_status(proxied, s3, prefix: str) -> None:
+    proxy, mounter = proxied
+    mnt = mounter("--durability", "async")
+    proxy.delay = 5.0  # an upload that takes longer than the timeout
+    (mnt.path / "a.bin").write_bytes(b"pending")
+    r = run_ckptfs("sync", str(mnt.path), "--timeout", "1")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "timed out after 1s: 1 changes (7 B) not in S3 yet" in r.stderr, r.stderr
+    r = run_ckptfs("sync", str(mnt.path), "--timeout", "1", "--json")
+    assert r.returncode == 1
+    st = json.loads(r.stdout)
+    assert st["timed_out"] and not st["synced"] and st["pending_files"] == 1, st
+    proxy.delay = 0.0
+    r = run_ckptfs("sync", str(mnt.path), "--json")  # the control socket outlived the clients that left
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["synced"] and st["pending_files"] == 0 and st["durability"] == "async", st
+    assert s3_bytes(s3, f"{prefix}/a.bin") == b"pending"
+    assert run_ckptfs("sync", str(mnt.path), "--timeout", "0").returncode == 2
