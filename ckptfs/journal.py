@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import zlib
 from dataclasses import asdict, dataclass, field
 
@@ -112,7 +113,10 @@ class Journal:
 
     def write(self, rec: Record) -> None:
         final = self._path(rec.name)
-        tmp = final + ".tmp"
+        # Its own temporary name: two threads writing one record must never rename each
+        # other's file away (ENOENT). Which content wins is the callers' business (the
+        # upload's record lock); scan() removes temporary files a crash left behind.
+        tmp = f"{final}.{threading.get_native_id()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             data = rec.encode()
@@ -144,7 +148,7 @@ class Journal:
         records, bad = [], []
         for entry in sorted(os.listdir(self.dir)):
             path = os.path.join(self.dir, entry)
-            if entry.endswith(".json.tmp"):
+            if entry.endswith(".tmp"):
                 os.unlink(path)  # a write that never reached its rename: the old record stands
                 continue
             if not entry.endswith(".json"):

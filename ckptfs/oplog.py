@@ -247,15 +247,14 @@ class OrderedLog:
             if self.last() is not entry or entry.visible or entry.metadata is None:
                 return False
             entry.rec = dataclasses.replace(entry.rec, metadata=dict(metadata))
-            up = entry.up
-            if up is not None:
-                # The upload keeps its record current (its upload id): amend that one.
-                async with up.record_lock:
-                    rec = dataclasses.replace(up.record or entry.rec, metadata=dict(metadata))
-                    await self._write(rec)
-                    up.record = rec
-            else:
-                await self._write(entry.rec)
+            # The upload keeps its record current (its upload id): amend that one, under its
+            # lock. Made here if the entry's task has not made it yet (or a retarget dropped
+            # it): an unlocked write of the record could race the upload's own.
+            up = self._upload_of(entry)
+            async with up.record_lock:
+                rec = dataclasses.replace(up.record or entry.rec, metadata=dict(metadata))
+                await self._write(rec)
+                up.record = rec
             # The upload reads this very dict: a PUT not yet sent carries the new values; a
             # multipart upload copies them on after completing, as for a chmod while writing.
             entry.metadata.clear()
@@ -318,12 +317,17 @@ class OrderedLog:
             await self._turn(entry)
             return await apply_op(self.s3, rec, self.uploader.deadline())
         assert entry.staged is not None and entry.metadata is not None
-        if entry.up is None:
-            plan = None if rec.part_size in (0, self.uploader.plan.base_size) else PartPlan(rec.part_size)
-            entry.up = FileUpload(journal_name=rec.name, record=rec, plan=plan)
-        result = await self.uploader.finish(entry.up, entry.staged.path, rec.key, rec.size,
+        result = await self.uploader.finish(self._upload_of(entry), entry.staged.path, rec.key, rec.size,
                                             entry.metadata, before_visible=lambda: self._turn(entry))
         return result.etag
+
+    def _upload_of(self, entry: Entry) -> FileUpload:
+        """The put's upload (its record and lock), made once per key."""
+        if entry.up is None:
+            rec = entry.rec
+            plan = None if rec.part_size in (0, self.uploader.plan.base_size) else PartPlan(rec.part_size)
+            entry.up = FileUpload(journal_name=rec.name, record=rec, plan=plan)
+        return entry.up
 
     async def _run(self, entry: Entry) -> None:
         attempt = 0

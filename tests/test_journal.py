@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from pathlib import Path
 
@@ -76,6 +77,21 @@ class _Policy(RetryPolicy):
 
     async def retrying(self, what: str, deadline: float, call):  # type: ignore[no-untyped-def]
         return await self.call(what, deadline, call)
+
+
+def test_threads_writing_one_record_at_once_never_fail(tmp_path: Path) -> None:
+    # A streamed part's record update and a chmod's amend once raced on one temporary
+    # name: the second rename failed with ENOENT, and the chmod with EIO.
+    journal = Journal(str(tmp_path))
+
+    def writer(i: int) -> None:
+        for n in range(100):
+            journal.write(Record("staged-1", "ck.pt", True, 10 * i + n % 10))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(writer, range(4)))
+    (rec,), bad = journal.scan()
+    assert bad == [] and rec.name == "staged-1"
+    assert os.listdir(tmp_path / "journal") == ["staged-1.json"]
 
 
 def test_transient_faults_are_retried_and_counted() -> None:
