@@ -23,7 +23,7 @@ import trio
 
 from ckptfs.errors import CkptfsError, NoSuchKey, Refused, raise_first_error
 from ckptfs.files import OpenFiles
-from ckptfs.inodes import Inode, InodeTable
+from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
 from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace
 from ckptfs.opener import Opener, opener_of
 from ckptfs.prefetch import ReadStream
@@ -109,7 +109,7 @@ class CheckpointFS(pyfuse3.Operations):
         a.st_nlink = 2 if inode.is_dir else 1
         a.st_uid = inode.uid
         a.st_gid = inode.gid
-        a.st_rdev = 0
+        a.st_rdev = inode.rdev
         a.st_size = len(inode.symlink_target) if inode.symlink_target is not None else inode.size
         a.st_blksize = 1 << 20
         a.st_blocks = (a.st_size + 511) // 512
@@ -224,12 +224,12 @@ class CheckpointFS(pyfuse3.Operations):
         return await self.ns.symlink_target(node)
 
     async def _make_entry(self, parent_inode: int, name: bytes, mode: int,
-                          ctx: pyfuse3.RequestContext, body: bytes) -> pyfuse3.EntryAttributes:
+                          ctx: pyfuse3.RequestContext, body: bytes, rdev: int = 0) -> pyfuse3.EntryAttributes:
         self._check_writable()
         parent, child_name, existing = await self._child(parent_inode, name)
         if existing is not None:
             raise _fail(errno.EEXIST)
-        node = await self.tree.make_entry(parent, child_name, mode, ctx.uid, ctx.gid, body)
+        node = await self.tree.make_entry(parent, child_name, mode, ctx.uid, ctx.gid, body, rdev)
         node.lookups += 1
         return self._attrs(node)
 
@@ -285,7 +285,12 @@ class CheckpointFS(pyfuse3.Operations):
     @_guarded
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        raise _fail(errno.EPERM)
+        kind = stat.S_IFMT(mode)
+        if kind not in SPECIAL_TYPES and kind != stat.S_IFREG:
+            raise _fail(errno.EINVAL)
+        mode = kind | (stat.S_IMODE(mode) & ~ctx.umask)
+        return await self._make_entry(parent_inode, name, mode, ctx, b"",
+                                      rdev if kind in (stat.S_IFCHR, stat.S_IFBLK) else 0)
 
     # ----- directories ---------------------------------------------------
 

@@ -18,6 +18,7 @@ from ckptfs.staging import StagedFile
 from ckptfs.uploads import FileUpload
 
 ROOT_INODE = 1
+SPECIAL_TYPES = frozenset({stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK})
 
 
 @dataclass(eq=False)
@@ -41,6 +42,7 @@ class Inode:
     staged: StagedFile | None = None
     dirty: bool = False  # the staged bytes are newer than what S3 has (or will have)
     symlink_target: bytes | None = None
+    rdev: int = 0  # a character or block device's number (x-amz-meta-rdev)
     lookups: int = 0
     open_handles: int = 0
     writers: int = 0
@@ -61,6 +63,12 @@ class Inode:
     @property
     def is_symlink(self) -> bool:
         return stat.S_ISLNK(self.mode)
+
+    @property
+    def is_special(self) -> bool:
+        """A fifo, socket or device: a zero-byte object for its name, mode and rdev; the
+        kernel serves its data (a pipe, a socket), never ckptfs."""
+        return stat.S_IFMT(self.mode) in SPECIAL_TYPES
 
     @property
     def is_local(self) -> bool:

@@ -17,7 +17,7 @@ import cachetools
 import trio
 
 from ckptfs.errors import NoSuchKey
-from ckptfs.inodes import Inode, InodeTable
+from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
 from ckptfs.s3types import S3, ListPage, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,14 @@ def object_metadata(inode: Inode) -> dict[str, str]:
         "uid": str(inode.uid),
         "gid": str(inode.gid),
         "mtime": f"{inode.mtime_ns // 10**9}.{inode.mtime_ns % 10**9:09d}",
-    }
+    } | ({"rdev": str(inode.rdev)} if inode.rdev else {})
+
+
+def _kind_changed(child: Inode, info: ObjectInfo) -> bool:
+    """A HEAD says the object is a special file where the table has a plain one, or the
+    other way round (replaced by another host): the kernel needs a new inode for it."""
+    special = stat.S_IFMT(_int(info.metadata.get("mode"), 0)) in SPECIAL_TYPES and info.size == 0
+    return child.is_special != special and child.open_handles == 0
 
 
 def _parse_mtime(text: str | None, default_ns: int) -> int:
@@ -127,9 +134,13 @@ class Namespace:
     def _new_file(self, parent: Inode, name: str, info: ObjectInfo, with_metadata: bool) -> Inode:
         mode = stat.S_IFREG | 0o644
         md = info.metadata
-        if with_metadata and stat.S_ISLNK(_int(md.get("mode"), 0)):
+        kind = stat.S_IFMT(_int(md.get("mode"), 0)) if with_metadata else 0
+        if kind == stat.S_IFLNK:
             mode = stat.S_IFLNK | 0o777
-        inode = self.table.add(parent.ino, name, mode, self.uid, self.gid)
+        elif kind in SPECIAL_TYPES and info.size == 0:
+            mode = kind | 0o644  # the permission bits follow in apply_object
+        inode = self.table.add(parent.ino, name, mode, self.uid, self.gid,
+                               rdev=_int(md.get("rdev"), 0) if kind in SPECIAL_TYPES else 0)
         self.apply_object(inode, info, with_metadata)
         return inode
 
@@ -292,6 +303,28 @@ class Namespace:
         inode.mtime_ns = _parse_mtime(md.get("mtime"), inode.mtime_ns)
         inode.meta_known = True
 
+    async def _head_empty(self, dir_key: str, directory: Inode,
+                          files: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
+        """HEAD every zero-byte object whose kind the table does not know: a LIST entry
+        cannot tell a fifo, socket or device (their type is in the metadata) from an empty
+        file. A checkpoint directory holds few empty objects (a marker or two)."""
+        names = [n for n, info in files.items() if info.size == 0 and not (
+            (c := self.table.child(directory.ino, n)) is not None and c.meta_known
+            and c.etag == info.etag)]
+        headed: dict[str, ObjectInfo] = {}
+        limit = trio.CapacityLimiter(16)
+
+        async def head(name: str) -> None:
+            async with limit:
+                try:
+                    headed[name] = await self.s3.head(dir_key + name)
+                except NoSuchKey:
+                    pass  # gone since the LIST: the listing's entry stands until the next look
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                nursery.start_soon(head, name)
+        return headed
+
     async def list_dir(self, directory: Inode) -> list[Inode]:
         """Every entry of `directory`: S3's listing merged with the mount's local changes."""
         dir_key = self.table.key_of(directory)
@@ -314,6 +347,7 @@ class Namespace:
                     files[name] = obj
                 else:
                     self._warn_once(obj.key, "not a valid file name")
+        headed = await self._head_empty(dir_key, directory, files)
         entries: list[Inode] = []
         seen: set[str] = set()
         for name in sorted(dirs | set(files)):
@@ -327,11 +361,11 @@ class Namespace:
                     child = self._new_dir(directory, name)
                 child.validated_at = time.monotonic()
             else:
-                info = files[name]
-                if child is None or child.is_dir:
-                    child = self._new_file(directory, name, info, with_metadata=False)
+                info = headed.get(name, files[name])
+                if child is None or child.is_dir or (name in headed and _kind_changed(child, info)):
+                    child = self._new_file(directory, name, info, with_metadata=name in headed)
                 else:
-                    child = self._refresh_file(directory, child, info, with_metadata=False)
+                    child = self._refresh_file(directory, child, info, with_metadata=name in headed)
             entries.append(child)
             seen.add(name)
         for child in self.table.children(directory.ino):

@@ -28,13 +28,13 @@ class Tree:
         self.changes = changes
 
     async def make_entry(self, parent: Inode, name: str, mode: int, uid: int, gid: int,
-                         body: bytes) -> Inode:
-        """A new directory or symlink whose object (`body`) is made now; nothing is left
-        behind on failure."""
+                         body: bytes, rdev: int = 0) -> Inode:
+        """A new directory, symlink, special file or empty file (mknod) whose object (`body`)
+        is made now; nothing is left behind on failure."""
         now = time.time_ns()
         self.ns.forget_absent(parent.ino, name)
         node = self.table.add(parent.ino, name, mode, uid, gid, mtime_ns=now, ctime_ns=now,
-                              atime_ns=now, meta_known=True)
+                              atime_ns=now, meta_known=True, rdev=rdev)
         if node.is_symlink:
             node.symlink_target, node.size = body, len(body)
         try:

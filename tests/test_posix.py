@@ -6,9 +6,11 @@ import errno
 import hashlib
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -181,6 +183,56 @@ def test_hard_links_fail_cleanly_and_symlinks_are_objects(mounter: Mounter, s3, 
     again = mounter()
     assert os.path.islink(again.path / "last.ckpt")
     assert os.readlink(again.path / "last.ckpt") == "target.ckpt"
+
+
+@pytest.mark.parametrize("durability", ["close", "async"])
+def test_special_files_are_objects_that_keep_type_mode_and_rdev(mounter: Mounter, s3, prefix: str,
+                                                                durability: str) -> None:
+    mnt = mounter("--durability", durability)
+    os.mkfifo(mnt.path / "progress.fifo", 0o640)
+    os.mknod(mnt.path / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mknod(mnt.path / "disk", 0o640 | stat.S_IFBLK, os.makedev(8, 1))
+    os.mknod(mnt.path / "empty.pt", 0o644 | stat.S_IFREG)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(mnt.path / "logger.sock"))
+    # The kernel serves a fifo's data: a writer and a reader meet through it.
+    reader = threading.Thread(target=lambda: got.append((mnt.path / "progress.fifo").read_bytes()))
+    got: list[bytes] = []
+    reader.start()
+    (mnt.path / "progress.fifo").write_bytes(b"step 10")
+    reader.join(10)
+    assert got == [b"step 10"]
+    os.chmod(mnt.path / "progress.fifo", 0o600)
+    os.rename(mnt.path / "disk", mnt.path / "disk0")
+    expected = {"progress.fifo": (stat.S_IFIFO, 0o600, 0), "null": (stat.S_IFCHR, 0o600, os.makedev(1, 3)),
+                "disk0": (stat.S_IFBLK, 0o640, os.makedev(8, 1)), "logger.sock": (stat.S_IFSOCK, None, 0),
+                "empty.pt": (stat.S_IFREG, 0o644, 0)}
+
+    def kinds(root: Path) -> dict[str, tuple[int, int | None, int]]:
+        out = {}
+        for name in os.listdir(root):
+            st = os.lstat(root / name)
+            out[name] = (stat.S_IFMT(st.st_mode), None if name == "logger.sock" else stat.S_IMODE(st.st_mode),
+                         st.st_rdev)
+        return out
+    assert kinds(mnt.path) == expected
+    if durability == "async":
+        assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    head = s3.head_object(Bucket=BUCKET, Key=f"{prefix}/null")
+    assert head["ContentLength"] == 0 and head["Metadata"]["rdev"] == str(os.makedev(1, 3))
+    mnt.unmount()
+    again = mounter()
+    assert kinds(again.path) == expected  # listed first (ls -l)
+    again.unmount()
+    third = mounter()
+    st = os.stat(third.path / "null")  # looked up by name first
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
+    with pytest.raises(OSError) as e:
+        os.link(third.path / "null", third.path / "null2")
+    assert e.value.errno == errno.EPERM
+    for name in expected:
+        os.unlink(third.path / name)
+    assert s3_keys(s3, prefix) == []
 
 
 def test_write_temp_then_replace_and_rename_onto_existing(mnt: Mount, s3, prefix: str) -> None:
