@@ -61,7 +61,10 @@ def wait_until(predicate, timeout: float = 30, what: str = "condition") -> None:
 def assert_delivered(s3, prefix: str, files: dict[str, bytes]) -> None:
     for name, data in files.items():
         assert s3_bytes(s3, f"{prefix}/{name}") == data, name
-    assert open_uploads(s3, prefix) == []
+    # A discarded file's upload is aborted at RELEASE, which the kernel sends after close()
+    # has returned (and the abort first waits for its parts in flight): give it time. A
+    # leaked upload still fails.
+    wait_until(lambda: open_uploads(s3, prefix) == [], timeout=10, what="no open multipart upload")
 
 
 def test_sigkill_after_close_in_async_mode_loses_nothing(proxied, s3, prefix: str) -> None:
