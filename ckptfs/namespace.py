@@ -282,6 +282,8 @@ class Namespace:
             if info is None:
                 child.validated_at = now
                 return True, child
+            if info.etag != child.etag and (child.is_special or child.is_symlink or info.size == 0):
+                return False, None  # its kind is in its metadata: the full lookup HEADs it
             return True, self._refresh_file(parent, child, info, with_metadata=False)
         covered = more is None or _sort_key(key + "/") <= last
         if not covered:
