@@ -1,7 +1,7 @@
 """Write-path benchmark: ckptfs against its peers on one local SeaweedFS, in one run.
 
     .venv/bin/python bench/write_bench.py [--sizes 1,4] [--torch-gib 1] [--skip-peers]
-                                          [--writers 8 --writer-mib 128]
+                                          [--writers 8 --writer-mib 128] [--rounds 3]
 
 For each workload (random-byte files of the given GiB sizes, and a torch.save of a state
 dict) it times: a copy to local disk; boto3 upload_file from local disk (tuned
@@ -17,7 +17,9 @@ the FUSE thread), and a bare pyfuse3 sink (bench/sink.py: only pwrites, writebac
 limit of any pyfuse3 write path. It prints seconds,
 MiB/s, the acceptance ratios, and for every ckptfs row the daemon's CPU seconds per GiB
 (from /proc) and peak RSS, beside the raw client's CPU per GiB in the same run. Needs root
-(drop_caches, mounts) and Debian's s3fs and rclone.
+(drop_caches, mounts) and Debian's s3fs and rclone. With `--rounds N` every workload runs N
+times in turn; the table gives each row's median and range, and each ratio is taken within
+a round and reported as the median over rounds.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import platform
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +63,7 @@ class Row:
     seconds: float
     size: int
     note: str = ""
+    round: int = 0
 
     @property
     def mib_s(self) -> float:
@@ -348,7 +352,8 @@ class Bench:
         mnt = self.path("ckptfs-mnt")
         os.mkdir(mnt)
         cache = self.path("ckptfs-cache")
-        prefix = "ck-idle" if idle_server else f"ck-{durability}"  # a fresh tree for each
+        # A fresh tree for each kind of row and each round (else the N ranks' directory exists).
+        prefix = f"{'ck-idle' if idle_server else f'ck-{durability}'}-{self._n}"
         key = f"{prefix}/{workload}.bin"
         r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{self.server.bucket}/{prefix}",
                             mnt, "--cache-dir", cache, "--durability", durability,
@@ -502,41 +507,64 @@ def run_ckptfs_only(bench: Bench, workload: str, write: Callable[[str], None]) -
 
 
 def report(bench: Bench) -> str:
+    """The table (per row: the median over rounds, with the range) and the ratios, each taken
+    within a round (same run) and then given as the median over rounds, with the range."""
     lines = [f"ckptfs write benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()}: "
              f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, "
              "SeaweedFS on loopback", ""]
     lines.append("| workload | method | seconds | MiB/s | notes |")
     lines.append("|---|---|---:|---:|---|")
     order = {w: i for i, w in enumerate(dict.fromkeys(r.workload for r in bench.rows))}
-    for row in sorted(bench.rows, key=lambda r: (order[r.workload], r.method[:2])):
-        lines.append(f"| {row.workload} | {row.method} | {row.seconds:.2f} | {row.mib_s:.0f} | {row.note} |")
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for row in bench.rows:
+        groups.setdefault((row.workload, row.method), []).append(row)
+    for (workload, method), rows in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1][:2])):
+        seconds = statistics.median(r.seconds for r in rows)
+        notes = [r.note for r in rows if r.note]
+        if len(rows) > 1:
+            notes.insert(0, f"median of {len(rows)}: {min(r.seconds for r in rows):.2f}-"
+                            f"{max(r.seconds for r in rows):.2f} s")
+        mib_s = rows[0].size / MiB / seconds if seconds else 0.0
+        lines.append(f"| {workload} | {method} | {seconds:.2f} | {mib_s:.0f} | {' / '.join(notes)} |")
     lines.append("")
-    by: dict[tuple[str, str], float] = {}
-    for r in bench.rows:
-        by.setdefault((r.workload, r.method[:2]), r.seconds)  # the first row of a method: its close
-    for workload in dict.fromkeys(r.workload for r in bench.rows):
-        f, b, a, d, g, h, i, j = (by.get((workload, k))
-                                  for k in ("f.", "b.", "a.", "d.", "g.", "h.", "i.", "j."))
-        durable = next((r.seconds for r in bench.rows
-                        if r.workload == workload and r.method.endswith("(until sync returns)")), None)
+    for workload in order:
+        per_round: dict[str, list[float]] = {}
+        for rnd in sorted({r.round for r in bench.rows}):
+            for label, value in _ratios([r for r in bench.rows if r.round == rnd and r.workload == workload]):
+                per_round.setdefault(label, []).append(value)
         parts = []
-        if f and b:
-            parts.append(f"ckptfs close / boto3 upload_file = {f / b:.2f} (target <= 1.15)")
-        if f and d:
-            parts.append(f"s3fs / ckptfs close = {d / f:.2f} (target >= 1.5)")
-        if d and h:
-            parts.append(f"s3fs / raw upload from memory = {d / h:.2f} (the most s3fs / ckptfs "
-                         "close can be on this server)")
-        if g and i:  # N writers: the stall is judged against the pyfuse3 floor
-            parts.append(f"ckptfs async close / bare sink = {g / i:.2f} (target <= 1.5)")
-            if j:
-                parts.append(f"with the S3 server at SCHED_IDLE meanwhile: {j / i:.2f}")
-        elif g and a:
-            parts.append(f"ckptfs async close / local disk = {g / a:.2f} (target <= 1.5)")
-        if durable and f:
-            parts.append(f"ckptfs async until sync / close mode = {durable / f:.2f} (target <= 1.0)")
+        for label, values in per_round.items():
+            span = f" (rounds {min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+            parts.append(f"{label.format(statistics.median(values))}{span}")
         lines.append(f"- {workload}: " + "; ".join(parts))
     return "\n".join(lines)
+
+
+def _ratios(rows: list[Row]) -> list[tuple[str, float]]:
+    """(label with a {:.2f} for the value, value) of each acceptance ratio of one workload in
+    one round."""
+    by: dict[str, float] = {}
+    for r in rows:
+        by.setdefault(r.method[:2], r.seconds)  # the first row of a method: its close
+    f, b, a, d, g, h, i, j = (by.get(k) for k in ("f.", "b.", "a.", "d.", "g.", "h.", "i.", "j."))
+    durable = next((r.seconds for r in rows if r.method.endswith("(until sync returns)")), None)
+    out = []
+    if f and b:
+        out.append(("ckptfs close / boto3 upload_file = {:.2f} (target <= 1.15)", f / b))
+    if f and d:
+        out.append(("s3fs / ckptfs close = {:.2f} (target >= 1.5)", d / f))
+    if d and h:
+        out.append(("s3fs / raw upload from memory = {:.2f} (the most s3fs / ckptfs close can be "
+                    "on this server)", d / h))
+    if g and i:  # N writers: the stall is judged against the pyfuse3 floor
+        out.append(("ckptfs async close / bare sink = {:.2f} (target <= 1.5)", g / i))
+        if j:
+            out.append(("with the S3 server at SCHED_IDLE meanwhile: {:.2f}", j / i))
+    elif g and a:
+        out.append(("ckptfs async close / local disk = {:.2f} (target <= 1.5)", g / a))
+    if durable and f:
+        out.append(("ckptfs async until sync / close mode = {:.2f} (target <= 1.0)", durable / f))
+    return out
 
 
 def random_file(path: str, mib: int) -> str:
@@ -552,6 +580,44 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def run_round(bench: Bench, args: argparse.Namespace, work: str) -> None:
+    """Every workload once, each row in turn."""
+    for gib in [float(x) for x in args.sizes.split(",") if x]:
+        src = os.path.join(work, f"random-{gib:g}g.bin")
+        with open(src, "wb") as f:
+            for _ in range(int(gib * GiB) // (64 * MiB)):
+                f.write(os.urandom(64 * MiB))
+        if args.only_ckptfs:
+            run_ckptfs_only(bench, f"file-{gib:g}GiB", bench.copy_writer(src))
+        else:
+            run_workload(bench, f"file-{gib:g}GiB", bench.copy_writer(src), args.skip_peers)
+        os.unlink(src)
+        print(report(bench), flush=True)
+    if args.writers:
+        src = random_file(os.path.join(work, "rank.bin"), args.writer_mib)
+        run_writers(bench, src, args.writers, args.only_ckptfs)
+        os.unlink(src)
+        print(report(bench), flush=True)
+    if args.checkpoint_mib:
+        src = random_file(os.path.join(work, "shard.bin"), args.checkpoint_mib)
+        workload = f"checkpoint-7x{args.checkpoint_mib}MiB"
+        write = bench.checkpoint_writer(src, 7)
+        size = bench.local_tree(workload, write)
+        bench.ckptfs(workload, write, size)
+        bench.ckptfs(workload, write, size, durability="async")
+        os.unlink(src)
+        print(report(bench), flush=True)
+    if args.torch_gib:
+        import torch
+        per = 64 * MiB // 4
+        state = {f"layer{i}": torch.randn(per) for i in range(int(args.torch_gib * GiB) // (64 * MiB))}
+        if args.only_ckptfs:
+            run_ckptfs_only(bench, f"torch-{args.torch_gib:g}GiB", bench.torch_writer(state))
+        else:
+            run_workload(bench, f"torch-{args.torch_gib:g}GiB", bench.torch_writer(state),
+                         args.skip_peers)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,4", help="GiB sizes of the random-byte files")
@@ -565,7 +631,11 @@ def main() -> int:
     ap.add_argument("--writers", type=int, default=8, help="ranks writing at once (0: skip)")
     ap.add_argument("--writer-mib", type=int, default=128, help="MiB each rank writes")
     ap.add_argument("--ckptfs-args", default="", help='more options for ckptfs mount, e.g. "--concurrency 16"')
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times every row is measured, in turn (the report gives medians)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if not args.skip_peers:
         missing = [t for t in ("s3fs", "rclone") if shutil.which(t) is None]
         if missing:
@@ -579,40 +649,13 @@ def main() -> int:
     bench = Bench(work, server)
     bench.ckptfs_args = shlex.split(args.ckptfs_args)
     try:
-        for gib in [float(x) for x in args.sizes.split(",") if x]:
-            src = os.path.join(work, f"random-{gib:g}g.bin")
-            with open(src, "wb") as f:
-                for _ in range(int(gib * GiB) // (64 * MiB)):
-                    f.write(os.urandom(64 * MiB))
-            if args.only_ckptfs:
-                run_ckptfs_only(bench, f"file-{gib:g}GiB", bench.copy_writer(src))
-            else:
-                run_workload(bench, f"file-{gib:g}GiB", bench.copy_writer(src), args.skip_peers)
-            os.unlink(src)
-            print(report(bench), flush=True)
-        if args.writers:
-            src = random_file(os.path.join(work, "rank.bin"), args.writer_mib)
-            run_writers(bench, src, args.writers, args.only_ckptfs)
-            os.unlink(src)
-            print(report(bench), flush=True)
-        if args.checkpoint_mib:
-            src = random_file(os.path.join(work, "shard.bin"), args.checkpoint_mib)
-            workload = f"checkpoint-7x{args.checkpoint_mib}MiB"
-            write = bench.checkpoint_writer(src, 7)
-            size = bench.local_tree(workload, write)
-            bench.ckptfs(workload, write, size)
-            bench.ckptfs(workload, write, size, durability="async")
-            os.unlink(src)
-            print(report(bench), flush=True)
-        if args.torch_gib:
-            import torch
-            per = 64 * MiB // 4
-            state = {f"layer{i}": torch.randn(per) for i in range(int(args.torch_gib * GiB) // (64 * MiB))}
-            if args.only_ckptfs:
-                run_ckptfs_only(bench, f"torch-{args.torch_gib:g}GiB", bench.torch_writer(state))
-            else:
-                run_workload(bench, f"torch-{args.torch_gib:g}GiB", bench.torch_writer(state),
-                             args.skip_peers)
+        for rnd in range(args.rounds):
+            start = len(bench.rows)
+            if args.rounds > 1:
+                print(f"round {rnd + 1} of {args.rounds}", flush=True)
+            run_round(bench, args, work)
+            for row in bench.rows[start:]:
+                row.round = rnd
         print()
         print(report(bench))
         return 0
