@@ -53,9 +53,6 @@ class Changes(Protocol):
         """`src` (file or directory) takes `new_name`, replacing `dst`; `move` applies it to
         the mount's table."""
 
-    def masked(self, key: str) -> bool:
-        """S3 still shows `key`, but the mount removed it (a change waiting its turn)."""
-
     def could_free_space(self) -> bool:
         """Some closed file is on its way to S3: its staged copy can go after that."""
 

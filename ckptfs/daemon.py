@@ -225,12 +225,12 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
     if config.durability == "async":  # every change reaches S3 through the ordered log, in order
         changes = LoggedChanges(log=oplog, s3=s3, table=table, uploader=uploader, cache=cache,
                                 staging=staging, local=local)
-        masked = oplog.masked
+        masks = oplog.masks
     else:
         changes = DirectChanges(s3=s3, table=table, uploader=uploader, cache=cache,
                                 staging=staging, local=local, nursery=nursery)
-        masked = None
-    ns = Namespace(s3, table, uid, gid, config.metadata_ttl, masked=masked)
+        masks = None
+    ns = Namespace(s3, table, uid, gid, config.metadata_ttl, masks=masks)
     reader = ChunkReader(s3, cache, memory_budget=config.read_memory, nursery=nursery)
     files = OpenFiles(s3=s3, table=table, ns=ns, staging=staging, cache=cache, uploader=uploader,
                       reader=reader, changes=changes, local=local)

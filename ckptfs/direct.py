@@ -135,9 +135,6 @@ class DirectChanges(ChangesBase):
         await rename_in_s3(self.s3, self.table, self.cache, self.uploader, src, new_parent,
                            new_name, dst, move)
 
-    def masked(self, key: str) -> bool:
-        return False
-
     def stats(self) -> dict[str, Any]:
         return {"uploads_retried_in_background": self.queue.uploaded}
 

@@ -198,8 +198,5 @@ class LoggedChanges(ChangesBase):
         else:
             move()
 
-    def masked(self, key: str) -> bool:
-        return self.log.masked(key)
-
     def stats(self) -> dict[str, Any]:
         return {"log_entries": len(self.log)}

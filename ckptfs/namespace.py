@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import stat
 import time
+import contextlib
 from collections.abc import Callable
 
 import cachetools
@@ -18,6 +19,7 @@ import trio
 
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
+from ckptfs.masks import Masks, no_masks
 from ckptfs.s3types import S3, ListPage, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -60,11 +62,11 @@ def _parse_mtime(text: str | None, default_ns: int) -> int:
 
 class Namespace:
     def __init__(self, s3: S3, table: InodeTable, uid: int, gid: int, ttl: float,
-                 masked: Callable[[str], bool] | None = None) -> None:
+                 masks: Masks | None = None) -> None:
         self.s3 = s3
         # Keys (and "dir/" prefixes) S3 still shows but the mount removed: deletes and renames
         # waiting their turn in the ordered log. They never come back from S3.
-        self.masked: Callable[[str], bool] = masked or (lambda key: False)
+        self._masks = masks
         self.table = table
         self.uid = uid
         self.gid = gid
@@ -76,6 +78,10 @@ class Namespace:
         # or a framework probing for optional files, costs no request while the answer is fresh.
         self._absent: cachetools.TTLCache[tuple[int, str], bool] = cachetools.TTLCache(
             maxsize=65536, ttl=max(ttl, 1e-3), timer=time.monotonic)
+
+    def masks(self) -> contextlib.AbstractContextManager[Callable[[str], bool]]:
+        """Take this before asking S3, and judge its answers through it (masks.py)."""
+        return self._masks.view() if self._masks is not None else no_masks()
 
     def fresh(self, when: float) -> bool:
         return time.monotonic() - when < self.ttl
@@ -162,17 +168,23 @@ class Namespace:
         if child is None and (parent.ino, name) in self._absent:
             return None
         key = self.table.key_of(parent) + name
-        if self.masked(key) and self.masked(key + "/"):
-            if child is not None:
-                self.table.detach(child)
-            return None
-        if child is not None and not child.is_local and parent.ino in self._listed:
-            # A stale entry of a directory that was listed: `ls -l` stats every entry after
-            # its listing, by then past the TTL on a slow server. One LIST page from here
-            # re-checks this name and refreshes the next thousand.
-            found, current = await self._recheck_by_listing(parent, name)
-            if found:
-                return current
+        with self.masks() as masked:
+            if masked(key) and masked(key + "/"):
+                if child is not None:
+                    self.table.detach(child)
+                return None
+            if child is not None and not child.is_local and parent.ino in self._listed:
+                # A stale entry of a directory that was listed: `ls -l` stats every entry after
+                # its listing, by then past the TTL on a slow server. One LIST page from here
+                # re-checks this name and refreshes the next thousand.
+                found, current = await self._recheck_by_listing(parent, name, masked)
+                if found:
+                    return current
+            return await self._lookup_in_s3(parent, name, child, key, masked)
+
+    async def _lookup_in_s3(self, parent: Inode, name: str, child: Inode | None, key: str,
+                            masked: Callable[[str], bool]) -> Inode | None:
+        """HEAD the object and LIST the "name/" prefix at once: a file, a directory, or None."""
         head: list[ObjectInfo | None] = [None]
         listing: list[ListPage] = []
 
@@ -197,7 +209,7 @@ class Namespace:
             if child is not None and child.is_local:
                 return child
         page = listing[0]
-        if (page.objects or page.prefixes) and not self.masked(key + "/"):
+        if (page.objects or page.prefixes) and not masked(key + "/"):
             if child is not None and child.is_dir:
                 child.validated_at = time.monotonic()
                 return child
@@ -206,9 +218,13 @@ class Namespace:
                 await self._load_dir_meta(inode, key + "/")
             return inode
         info = head[0]
-        if info is not None and self.masked(key):
+        if info is not None and masked(key):
             info = None
         if info is None:
+            if child is not None and masked(key):
+                # The mount made this name again and S3 got it while the answer was on its
+                # way: the answer predates it.
+                return child
             if child is not None:
                 self.table.detach(child)
             if self.ttl > 0:
@@ -233,7 +249,8 @@ class Namespace:
         self.apply_object(child, info, with_metadata)
         return child
 
-    async def _recheck_by_listing(self, parent: Inode, name: str) -> tuple[bool, Inode | None]:
+    async def _recheck_by_listing(self, parent: Inode, name: str,
+                                  masked: Callable[[str], bool]) -> tuple[bool, Inode | None]:
         """Re-check `name` with one LIST page starting just before it, refreshing the known
         entries the page covers. (True, inode or None if gone) if the page told; (False, None)
         if it could not (a name that changed kind, or more keys before it than a page holds)."""
@@ -257,11 +274,11 @@ class Namespace:
         seen: dict[str, ObjectInfo | None] = {}  # name -> object, None for a directory
         last = b""
         for prefix in page.prefixes:
-            if not self.masked(prefix):
+            if not masked(prefix):
                 seen[prefix[len(dir_key):-1]] = None
             last = max(last, _sort_key(prefix))
         for obj in page.objects:
-            if obj.key[len(dir_key):] and not self.masked(obj.key):
+            if obj.key[len(dir_key):] and not masked(obj.key):
                 seen.setdefault(obj.key[len(dir_key):], obj)  # a directory wins, as in list_dir
             last = max(last, _sort_key(obj.key))
         for other, info in seen.items():
@@ -286,7 +303,7 @@ class Namespace:
                 return False, None  # its kind is in its metadata: the full lookup HEADs it
             return True, self._refresh_file(parent, child, info, with_metadata=False)
         covered = more is None or _sort_key(key + "/") <= last
-        if not covered:
+        if not covered or masked(key):
             return False, None
         self.table.detach(child)  # gone from S3
         if self.ttl > 0:
@@ -329,13 +346,17 @@ class Namespace:
 
     async def list_dir(self, directory: Inode) -> list[Inode]:
         """Every entry of `directory`: S3's listing merged with the mount's local changes."""
+        with self.masks() as masked:
+            return await self._list_dir(directory, masked)
+
+    async def _list_dir(self, directory: Inode, masked: Callable[[str], bool]) -> list[Inode]:
         dir_key = self.table.key_of(directory)
         dirs: set[str] = set()
         files: dict[str, ObjectInfo] = {}
         async for page in self.s3.list_pages(dir_key):
             for prefix in page.prefixes:
                 name = prefix[len(dir_key):-1]
-                if self.masked(prefix):
+                if masked(prefix):
                     continue
                 if valid_name(name):
                     dirs.add(name)
@@ -343,7 +364,7 @@ class Namespace:
                     self._warn_once(prefix, "not a valid file name")
             for obj in page.objects:
                 name = obj.key[len(dir_key):]
-                if name == "" or self.masked(obj.key):
+                if name == "" or masked(obj.key):
                     continue  # the directory's own marker, or removed here and not yet in S3
                 if valid_name(name):
                     files[name] = obj
@@ -373,8 +394,8 @@ class Namespace:
         for child in self.table.children(directory.ino):
             if child.name in seen:
                 continue
-            if child.is_local:
-                entries.append(child)
+            if child.is_local or masked(self.table.key_of(child)):
+                entries.append(child)  # or made again, and applied after the listing was taken
             else:
                 self.table.detach(child)  # gone from S3
         self._listed[directory.ino] = time.monotonic()

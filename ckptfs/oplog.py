@@ -16,7 +16,8 @@ before the mount reports ready). An entry that fails is retried with backoff; no
 after it becomes visible before it does.
 
 Until its entry is applied S3 still shows what a delete or a rename removed: those keys
-(and, for rmdir, whole prefixes) are masked, so lookups and listings never bring them back.
+(and, for rmdir, whole prefixes) are masked (masks.py), so lookups and listings never bring
+them back.
 
 Two rewrites keep the sequence while saving S3 work; each applies only to the last entry
 and only before its visible request was sent, so S3 still steps from one state of the
@@ -38,6 +39,7 @@ from typing import Any
 import trio
 
 from ckptfs.errors import NoSuchKey, S3Error
+from ckptfs.masks import Masks
 from ckptfs.journal import Journal, PartDone, Record
 from ckptfs.parts import PartPlan
 from ckptfs.s3types import S3
@@ -140,8 +142,7 @@ class OrderedLog:
         self._next_seq = 1
         self._append_lock = trio.Lock()
         self._changed = trio.Event()
-        self._exact: dict[str, int] = {}  # key S3 still has but the mount removed -> its entry
-        self._prefixes: dict[str, int] = {}  # "dir/" removed with everything under it -> entry
+        self.masks = Masks()  # what S3 still shows but the mount removed, until applied
 
     # ----- appending -----------------------------------------------------
 
@@ -182,7 +183,7 @@ class OrderedLog:
                           appended_at=trio.current_time(), up=up)
             self._entries[seq] = entry
             for key in masks:
-                (self._prefixes if key.endswith("/") else self._exact)[key] = seq
+                self.masks.add(key, seq)
             if effect is not None:
                 effect()
             log.debug("log entry %d: %s %s", seq, rec.op, path)
@@ -265,25 +266,8 @@ class OrderedLog:
         if self.journal is not None:
             await trio.to_thread.run_sync(self.journal.write, rec)
 
-    # ----- what the mount removed and S3 still shows ---------------------
-
     def masked(self, key: str) -> bool:
-        """S3 may still hold `key` (an object or a "dir/" prefix), but the mount removed it."""
-        if key in self._exact:
-            return True
-        if not self._prefixes:
-            return False
-        pos = key.find("/")
-        while pos >= 0:
-            if key[:pos + 1] in self._prefixes:
-                return True
-            pos = key.find("/", pos + 1)
-        return False
-
-    def _unmask(self, entry: Entry) -> None:
-        for table in (self._exact, self._prefixes):
-            for key in [k for k, seq in table.items() if seq == entry.seq]:
-                del table[key]
+        return self.masks.masked(key)
 
     # ----- applying --------------------------------------------------------
 
@@ -365,7 +349,7 @@ class OrderedLog:
                     log.error("cannot remove the journal record of %s (%s); retrying", entry.path, exc)
                     await trio.sleep(1.0)
         del self._entries[entry.seq]
-        self._unmask(entry)
+        self.masks.release(entry.seq)
         entry.error = None
         if entry.on_done is not None:
             entry.on_done(entry, etag)

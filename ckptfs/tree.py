@@ -53,7 +53,8 @@ class Tree:
         if not self.changes.stages_first or not self.changes.backlog.pending():
             return not await self.s3.has_children(key)
         # S3 may still hold objects the mount removed (deletes waiting their turn).
-        return all(o.key == key or self.changes.masked(o.key) for o in await self.s3.list_keys(key))
+        with self.ns.masks() as masked:
+            return all(o.key == key or masked(o.key) for o in await self.s3.list_keys(key))
 
     async def rmdir(self, parent: Inode, node: Inode) -> None:
         if not await self.dir_is_empty(node):

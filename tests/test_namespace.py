@@ -10,6 +10,7 @@ import trio.testing
 
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, InodeTable
+from ckptfs.masks import Masks
 from ckptfs.namespace import Namespace, valid_name
 from ckptfs.s3types import ListPage, ObjectInfo
 from fakes3 import MemoryS3
@@ -146,3 +147,64 @@ async def test_a_special_file_whose_etag_changed_keeps_its_kind_on_a_listing_rec
     await trio.sleep(0.1)
     node = await ns.lookup(root, "fifo")
     assert node is not None and stat.S_ISFIFO(node.mode) and stat.S_IMODE(node.mode) == 0o600
+
+
+class LateAnswers(MemoryS3):
+    """HEADs and LISTs whose answers are taken at once and delivered when the test says:
+    an answer still on its way while a change lands in S3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = trio.Event()
+        self.deliver = trio.Event()
+
+    async def head(self, key, checksum=False, deadline=None):
+        try:
+            return await super().head(key, checksum, deadline)
+        finally:
+            self.asked.set()
+            await self.deliver.wait()
+
+    async def list_page(self, prefix, token, delimiter="/", max_keys=1000, start_after=None):
+        answer = await super().list_page(prefix, token, delimiter, max_keys, start_after)
+        self.asked.set()
+        await self.deliver.wait()
+        return answer
+
+
+async def _delete_lands_while_s3_answers(s3: LateAnswers, masks: Masks, ask) -> object:
+    """Mask p/gone (a delete waiting in the log), ask S3, then apply the delete while the
+    answer, taken before it, is on its way."""
+    masks.add("p/gone", seq=1)
+    result: list[object] = []
+    async with trio.open_nursery() as nursery:
+        async def run() -> None:
+            result.append(await ask())
+        nursery.start_soon(run)
+        await s3.asked.wait()
+        del s3.objects["p/gone"]  # the delete reaches S3 ...
+        masks.release(1)  # ... and its entry is retired
+        s3.deliver.set()
+    return result[0]
+
+
+async def test_a_lookup_answered_before_a_delete_landed_never_brings_the_name_back() -> None:
+    s3 = LateAnswers()
+    await s3.put("p/gone", b"x", {})
+    table = InodeTable("p/", 0, 0)
+    masks = Masks()
+    ns = Namespace(s3, table, 0, 0, ttl=0.0, masks=masks)  # type: ignore[arg-type]
+    root = table[ROOT_INODE]
+    assert await _delete_lands_while_s3_answers(s3, masks, lambda: ns.lookup(root, "gone")) is None
+    assert table.child(ROOT_INODE, "gone") is None
+
+
+async def test_a_listing_taken_before_a_delete_landed_never_shows_the_name() -> None:
+    s3 = LateAnswers()
+    await s3.put("p/gone", b"x", {})
+    await s3.put("p/kept", b"y", {})
+    table = InodeTable("p/", 0, 0)
+    masks = Masks()
+    ns = Namespace(s3, table, 0, 0, ttl=0.0, masks=masks)  # type: ignore[arg-type]
+    entries = await _delete_lands_while_s3_answers(s3, masks, lambda: ns.list_dir(table[ROOT_INODE]))
+    assert [e.name for e in entries] == ["kept"]  # type: ignore[attr-defined]
