@@ -164,6 +164,15 @@ def test_directories_and_errno(mnt: Mount, s3, prefix: str) -> None:
             deep.mkdir()
     assert e.value.errno == errno.ENAMETOOLONG
     os.unlink(d / "f")
+    # An open file with no name left has no links (pjdfstest unlink/14). No stat before the
+    # unlink: the kernel would answer the fstat from its cache, not ask the daemon.
+    os.close(os.open(d / "g", os.O_WRONLY | os.O_CREAT, 0o644))
+    fd = os.open(d / "g", os.O_RDONLY)
+    try:
+        os.unlink(d / "g")
+        assert os.fstat(fd).st_nlink == 0
+    finally:
+        os.close(fd)
     os.rmdir(d)
     assert not d.exists()
     assert s3_keys(s3, f"{prefix}/d/") == []
