@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Idempotent setup on Debian: FUSE packages, a venv in .venv, ckptfs with its test extras, torch.
-# Sourced by scripts/demo.sh and scripts/test.sh; safe to run again and again.
+# Run by scripts/demo.sh and scripts/test.sh; safe to run again and again. `--tests` also
+# installs what the test suite builds pjdfstest with (autotools, make; openssl for its names).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+for_tests=0
+[ "${1:-}" = "--tests" ] && for_tests=1
 
 PY=${PYTHON:-python3}
 need_apt=()
-for pkg in fuse3 libfuse3-dev pkg-config; do
+packages=(fuse3 libfuse3-dev pkg-config)
+[ $for_tests -eq 1 ] && packages+=(autoconf automake make openssl)
+for pkg in "${packages[@]}"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 # pyfuse3 builds from source: it needs a compiler and the Python headers.

@@ -28,16 +28,17 @@ S3Server = devserver.DevServer
 
 
 # Test tiers, fastest first: `./scripts/test.sh -m unit` (no server, no mount: seconds),
-# `-m component` (the real S3 server, no mount), `-m mount` (real FUSE mounts). A test's tier
-# comes from the fixtures it uses; modules that mount through helpers say so themselves.
-TIERS = ("unit", "component", "mount")
+# `-m component` (the real S3 server, no mount), `-m mount` (real FUSE mounts), and
+# `-m pjdfstest` (the POSIX suite in real mounts: minutes). A test's tier comes from the
+# fixtures it uses; modules that mount through helpers say so themselves.
+TIERS = ("unit", "component", "mount", "pjdfstest")
 _MOUNT_FIXTURES = {"mounter", "mnt", "proxied"}
 _SERVER_FIXTURES = {"s3_server", "s3"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for tier, what in zip(TIERS, ("no S3 server, no mount", "the real S3 server, no mount",
-                                  "real FUSE mounts")):
+                                  "real FUSE mounts", "the POSIX suite pjdfstest in real mounts")):
         config.addinivalue_line("markers", f"{tier}: {what}")
 
 
