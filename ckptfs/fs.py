@@ -211,8 +211,11 @@ class CheckpointFS(pyfuse3.Operations):
             node.mtime_ns = attr.st_mtime_ns
         if fields.update_atime:
             node.atime_ns = attr.st_atime_ns
-        if meta_changed:
+        if fields.update_ctime:
+            node.ctime_ns = attr.st_ctime_ns  # the kernel's own (writeback cache)
+        elif meta_changed:
             node.ctime_ns = time.time_ns()
+        if meta_changed:
             await self.tree.metadata(node)
         if fields.update_size and node.writers == 0:  # truncate(2) by path: no close() will follow
             await self.files.changes.publish(node, background=False)

@@ -33,13 +33,20 @@ def valid_name(name: str) -> bool:
         "utf-8", "surrogateescape")) <= NAME_MAX
 
 
+def _stamp(ns: int) -> str:
+    return f"{ns // 10**9}.{ns % 10**9:09d}"
+
+
 def object_metadata(inode: Inode) -> dict[str, str]:
-    """x-amz-meta-* headers, in the names s3fs-fuse uses, so both tools read each other's files."""
+    """x-amz-meta-* headers, in the names s3fs-fuse uses, so both tools read each other's files.
+    ctime rides along in every request that sends metadata anyway (a chmod's copy included);
+    atime is never stored: it would cost a request per read."""
     return {
         "mode": str(inode.mode),
         "uid": str(inode.uid),
         "gid": str(inode.gid),
-        "mtime": f"{inode.mtime_ns // 10**9}.{inode.mtime_ns % 10**9:09d}",
+        "mtime": _stamp(inode.mtime_ns),
+        "ctime": _stamp(inode.ctime_ns),
     } | ({"rdev": str(inode.rdev)} if inode.rdev else {})
 
 
@@ -121,6 +128,7 @@ class Namespace:
             inode.uid = _int(md.get("uid"), self.uid)
             inode.gid = _int(md.get("gid"), self.gid)
             inode.mtime_ns = _parse_mtime(md.get("mtime"), mtime_default)
+            inode.ctime_ns = _parse_mtime(md.get("ctime"), inode.ctime_ns)
             inode.meta_known = True
         elif not inode.meta_known:
             inode.mtime_ns = mtime_default

@@ -29,7 +29,7 @@ from ckptfs.oplog import apply_op
 from ckptfs.parts import PartPlan
 from ckptfs.s3types import S3
 from ckptfs.uploader import Uploader
-from ckptfs.uploads import FileUpload, PartRecord, without_mtime
+from ckptfs.uploads import FileUpload, PartRecord, without_times
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class Recovery:
             listed = await self.s3.list_parts(rec.key, rec.upload_id)
         except NoSuchKey:
             return False
-        up.upload_id, up.key, up.metadata = rec.upload_id, rec.key, without_mtime(rec.metadata)
+        up.upload_id, up.key, up.metadata = rec.upload_id, rec.key, without_times(rec.metadata)
         plan = up.plan or self.uploader.plan
         for r in plan.ranges(rec.size):
             have = listed.get(r.number)

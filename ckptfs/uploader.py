@@ -29,7 +29,7 @@ from ckptfs.journal import Journal
 from ckptfs.parts import PartPlan, PartRange
 from ckptfs.retry import RetryPolicy
 from ckptfs.s3types import S3
-from ckptfs.uploads import FileUpload, PartRecord, UploadRecords, UploadResult, without_mtime
+from ckptfs.uploads import FileUpload, PartRecord, UploadRecords, UploadResult, without_times
 
 log = logging.getLogger(__name__)
 
@@ -199,9 +199,8 @@ class Uploader:
                               deadline: float) -> str:
         async with up.create_lock:
             if up.upload_id is None:
-                # No mtime: it is not known while the file is still written, and an object
-                # without one shows its LastModified (the completion time) instead.
-                meta = without_mtime(metadata)
+                # No mtime or ctime: not known while the file is still written.
+                meta = without_times(metadata)
                 await self.records.intent(up, key)
                 upload_id = await self.s3.create_multipart(key, meta, deadline=deadline)
                 up.metadata, up.upload_id, up.key = meta, upload_id, key
@@ -280,7 +279,7 @@ class Uploader:
             etag = ""
         up.upload_id = up.key = None
         up.parts.clear()
-        if up.metadata != without_mtime(metadata):  # mode or owner changed while it was written
+        if up.metadata != without_times(metadata):  # mode or owner changed while it was written
             etag = await self.s3.copy(key, key, size, metadata, deadline)
         up.metadata = None
         await self._verify(key, size, etag, crc, deadline)

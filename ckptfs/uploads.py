@@ -62,8 +62,10 @@ class FileUpload:
                 and rec.clock >= self.touched.get(r.number, 0))
 
 
-def without_mtime(metadata: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in metadata.items() if k != "mtime"}
+def without_times(metadata: dict[str, str]) -> dict[str, str]:
+    """Metadata known when a multipart upload is created: mtime and ctime change with every
+    write, and an object without them shows its LastModified (the completion time)."""
+    return {k: v for k, v in metadata.items() if k not in ("mtime", "ctime")}
 
 
 class UploadRecords:

@@ -117,6 +117,7 @@ def test_mode_owner_and_mtime_survive_a_remount(mounter: Mounter, prefix: str) -
     os.chmod(p, 0o600)
     os.chown(p, 1234, 5678)
     os.utime(p, ns=(1_600_000_000_000_000_000, 1_600_000_000_123_456_789))
+    ctime = p.stat().st_ctime_ns  # the utime's: now, well after the mtime it set
     (mnt.path / "dir").mkdir(mode=0o750)
     # Directory modes are kept in the marker's metadata, which SeaweedFS drops,
     # so across a remount only files are checked here.
@@ -127,6 +128,7 @@ def test_mode_owner_and_mtime_survive_a_remount(mounter: Mounter, prefix: str) -
     assert stat.S_IMODE(st.st_mode) == 0o600
     assert (st.st_uid, st.st_gid) == (1234, 5678)
     assert st.st_mtime_ns == 1_600_000_000_123_456_789
+    assert st.st_ctime_ns == ctime
     assert (again.path / "m.txt").read_text() == "x"
 
 
