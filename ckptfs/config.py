@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import botocore.utils
+
 from ckptfs.errors import ConfigError
 from ckptfs.parts import MAX_PART_SIZE, MIN_PART_SIZE, GiB, MiB
 
@@ -154,7 +156,8 @@ class Config:
             raise ConfigError("--metadata-ttl must be between 0 and 86400 seconds")
         if not self.spot_poll_interval > 0:
             raise ConfigError("--spot-poll-interval must be a positive number of seconds")
-        if not re.match(r"^https?://[^/\s]+/?$", self.imds_endpoint):
+        if (not re.match(r"^https?://[^/\s]+/?$", self.imds_endpoint)
+                or not botocore.utils.is_valid_uri(self.imds_endpoint)):
             raise ConfigError(f"invalid --imds-endpoint {self.imds_endpoint!r}: "
                               "expected http://HOST[:PORT]")
         if self.log_level.lower() not in LOG_LEVELS:

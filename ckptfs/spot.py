@@ -2,8 +2,10 @@
 
 AWS posts `spot/instance-action` about two minutes before it reclaims a spot
 instance. The watcher polls it with a session token; on a notice it calls
-`on_notice` once and stops. The base URL is configurable so tests point it at
-a fake on 127.0.0.1; nothing here talks to any other address on its own.
+`on_notice` once and stops. The HTTP side (token request, headers, retries of
+connection errors) is botocore's IMDS fetcher, the one its credential chain uses.
+The base URL is configurable so tests point it at a fake on 127.0.0.1; nothing
+here talks to any other address on its own.
 """
 
 from __future__ import annotations
@@ -11,60 +13,63 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import botocore.exceptions
+import botocore.httpsession
+import botocore.utils
 import trio
 
 log = logging.getLogger(__name__)
 
-_TOKEN_TTL = 21600
+_TOKEN_LIFETIME = 21600 - 60  # seconds a token is used; botocore asks for 6 hours
 _TIMEOUT = 2.0
+_PATH = "latest/meta-data/spot/instance-action"
 
 
-class ImdsClient:
+class ImdsUnreachable(OSError):
+    pass
+
+
+class ImdsClient(botocore.utils.IMDSFetcher):
     def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint.rstrip("/")
+        # env={}: --spot-termination-watch asked for IMDS, whatever AWS_EC2_METADATA_DISABLED
+        # says (it is meant for the credential chain).
+        super().__init__(timeout=_TIMEOUT, num_attempts=2, base_url=endpoint, env={},
+                         user_agent="ckptfs")
+        # Instance metadata is never reached through an HTTP proxy.
+        self._session = botocore.httpsession.URLLib3Session(timeout=_TIMEOUT, proxies={})
         self._token: str | None = None
         self._token_expires = 0.0
-        # Instance metadata is never reached through an HTTP proxy.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def _request(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.endpoint + path, method=method, headers=headers)
-        try:
-            with self._opener.open(req, timeout=_TIMEOUT) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, b""
-
-    def _token_header(self) -> dict[str, str]:
+    def _token_now(self) -> str | None:
         if self._token is None or time.monotonic() > self._token_expires:
-            status, body = self._request("PUT", "/latest/api/token",
-                                         {"X-aws-ec2-metadata-token-ttl-seconds": str(_TOKEN_TTL)})
-            if status != 200:
-                raise OSError(f"IMDS token request answered {status}")
-            self._token = body.decode().strip()
-            self._token_expires = time.monotonic() + _TOKEN_TTL - 60
-        return {"X-aws-ec2-metadata-token": self._token}
+            # None where IMDSv2 is off (404/403/405): botocore then asks without one (v1).
+            self._token = self._fetch_metadata_token()
+            self._token_expires = time.monotonic() + _TOKEN_LIFETIME
+        return self._token
 
     def instance_action(self) -> dict[str, Any] | None:
-        """The pending spot instance action, or None. Blocks; raises OSError if IMDS is unreachable."""
-        status, body = self._request("GET", "/latest/meta-data/spot/instance-action",
-                                     self._token_header())
-        if status == 401:  # token expired early: fetch a new one next time
+        """The pending spot instance action, or None. Blocks; raises ImdsUnreachable if IMDS
+        does not answer, or answers something other than a notice, "none" or an expired token."""
+        try:
+            response = self._get_request(_PATH, lambda r: r.status_code not in (200, 401, 404),
+                                         self._token_now())
+        except (botocore.utils.BadIMDSRequestError, self._RETRIES_EXCEEDED_ERROR_CLS) as exc:
+            raise ImdsUnreachable(f"no answer from {self.get_base_url()} "
+                                  f"({type(exc).__name__})") from None
+        except botocore.exceptions.BotoCoreError as exc:
+            raise ImdsUnreachable(str(exc)) from None
+        if response.status_code == 401:  # the token expired early: a new one next time
             self._token = None
             return None
-        if status == 404:
+        if response.status_code == 404:
             return None
-        if status != 200:
-            raise OSError(f"IMDS answered {status}")
         try:
-            notice = json.loads(body)
+            notice = json.loads(response.content)
         except ValueError:
-            notice = {"action": body.decode(errors="replace").strip()}
+            notice = {"action": response.content.decode(errors="replace").strip()}
         return notice if isinstance(notice, dict) else {"action": str(notice)}
 
 
@@ -75,7 +80,7 @@ async def watch(endpoint: str, interval: float, on_notice: Callable[[dict[str, A
     while True:
         try:
             notice = await trio.to_thread.run_sync(client.instance_action, abandon_on_cancel=True)
-        except (OSError, urllib.error.URLError) as exc:
+        except ImdsUnreachable as exc:
             if not warned:
                 log.warning("spot termination watch: cannot reach %s (%s); still trying", endpoint, exc)
                 warned = True

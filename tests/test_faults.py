@@ -368,6 +368,7 @@ class FakeImds:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.notice: dict | None = None
+        self.token = "fake-token"  # change it to expire the one handed out
         self.token_requests = 0
         self.polls = 0
         self.untokened = 0
@@ -387,12 +388,12 @@ class FakeImds:
                 if self.path == "/latest/api/token" and self.headers.get(
                         "X-aws-ec2-metadata-token-ttl-seconds"):
                     imds.token_requests += 1
-                    self._send(200, b"fake-token")
+                    self._send(200, imds.token.encode())
                 else:
                     self._send(400)
 
             def do_GET(self) -> None:
-                if self.headers.get("X-aws-ec2-metadata-token") != "fake-token":
+                if self.headers.get("X-aws-ec2-metadata-token") != imds.token:
                     imds.untokened += 1
                     self._send(401)
                 elif self.path == "/latest/meta-data/spot/instance-action":
@@ -415,6 +416,24 @@ class FakeImds:
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def test_imds_client_keeps_its_token_renews_it_on_401_and_reports_no_answer(monkeypatch) -> None:
+    from ckptfs.spot import ImdsClient, ImdsUnreachable
+
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # for botocore's credential chain only
+    with FakeImds() as imds:
+        client = ImdsClient(imds.url)
+        assert client.instance_action() is None and client.instance_action() is None
+        assert (imds.token_requests, imds.polls, imds.untokened) == (1, 2, 0)
+        imds.notice = {"action": "stop", "time": "2026-12-05T10:00:00Z"}
+        assert client.instance_action() == imds.notice
+        imds.token = "another-token"  # the one the client holds expired early
+        assert client.instance_action() is None and imds.untokened == 1
+        assert client.instance_action() == imds.notice and imds.token_requests == 2
+        url = imds.url
+    with pytest.raises(ImdsUnreachable):  # nothing listens there any more
+        ImdsClient(url).instance_action()
 
 
 def status(path: Path, *extra: str) -> subprocess.CompletedProcess:
