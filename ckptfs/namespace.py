@@ -335,9 +335,10 @@ class Namespace:
         """HEAD every zero-byte object whose kind the table does not know: a LIST entry
         cannot tell a fifo, socket or device (their type is in the metadata) from an empty
         file. A checkpoint directory holds few empty objects (a marker or two)."""
-        names = [n for n, info in files.items() if info.size == 0 and not (
-            (c := self.table.child(directory.ino, n)) is not None and c.meta_known
-            and c.etag == info.etag)]
+        def known(name: str, info: ObjectInfo) -> bool:  # or owned by the mount: not asked
+            c = self.table.child(directory.ino, name)
+            return c is not None and (c.is_local or (c.meta_known and c.etag == info.etag))
+        names = [n for n, info in files.items() if info.size == 0 and not known(n, info)]
         headed: dict[str, ObjectInfo] = {}
         limit = trio.CapacityLimiter(16)
 

@@ -208,3 +208,16 @@ async def test_a_listing_taken_before_a_delete_landed_never_shows_the_name() -> 
     ns = Namespace(s3, table, 0, 0, ttl=0.0, masks=masks)  # type: ignore[arg-type]
     entries = await _delete_lands_while_s3_answers(s3, masks, lambda: ns.list_dir(table[ROOT_INODE]))
     assert [e.name for e in entries] == ["kept"]  # type: ignore[attr-defined]
+
+
+async def test_a_listing_never_heads_an_empty_object_the_mount_itself_owns() -> None:
+    s3 = MemoryS3()
+    await s3.put("p/mine", b"", {})
+    await s3.put("p/theirs", b"", {"mode": str(stat.S_IFIFO | 0o600)})
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(s3, table, 0, 0, ttl=1.0)  # type: ignore[arg-type]
+    mine = table.add(ROOT_INODE, "mine", stat.S_IFREG | 0o644, 0, 0)
+    mine.dirty = True  # written here, its upload still to come: the mount's state wins
+    entries = {e.name: e for e in await ns.list_dir(table[ROOT_INODE])}
+    assert entries["mine"] is mine and stat.S_ISFIFO(entries["theirs"].mode)
+    assert [k for op, k in s3.requests if op == "HEAD"] == ["p/theirs"]
