@@ -8,10 +8,10 @@ bytes) are left out, each with one warning. Answers from S3 are trusted for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import stat
 import time
-import contextlib
 from collections.abc import Callable
 
 import cachetools
