@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 
 NAME_MAX = 255
 KEY_MAX = 1024
+# A listing HEADs the objects it has not seen with metadata whose type may differ from a plain
+# file's, which only their metadata tells: every empty one (a fifo, socket or device), and
+# those smaller than a symlink's longest target while a directory has at most SMALL_HEADS of
+# them (a `latest` link beside a checkpoint's few small files). A directory of thousands of
+# tiny files is listed with its LIST pages alone; a symlink there shows as a file until looked up.
+SYMLINK_MAX = 4095
+SMALL_HEADS = 64
 
 
 def valid_name(name: str) -> bool:
@@ -50,11 +57,18 @@ def object_metadata(inode: Inode) -> dict[str, str]:
     } | ({"rdev": str(inode.rdev)} if inode.rdev else {})
 
 
+def _kind_of(info: ObjectInfo) -> int:
+    """The file type a HEADed object stands for: a symlink, a special file, or a plain file."""
+    kind = stat.S_IFMT(_int(info.metadata.get("mode"), 0))
+    if kind == stat.S_IFLNK or (kind in SPECIAL_TYPES and info.size == 0):
+        return kind
+    return stat.S_IFREG
+
+
 def _kind_changed(child: Inode, info: ObjectInfo) -> bool:
-    """A HEAD says the object is a special file where the table has a plain one, or the
-    other way round (replaced by another host): the kernel needs a new inode for it."""
-    special = stat.S_IFMT(_int(info.metadata.get("mode"), 0)) in SPECIAL_TYPES and info.size == 0
-    return child.is_special != special and child.open_handles == 0
+    """A HEAD says the object is of another type than the table's inode (a symlink or special
+    file where it has a plain one, or the other way round): the kernel needs a new inode."""
+    return stat.S_IFMT(child.mode) != _kind_of(info) and child.open_handles == 0
 
 
 def _parse_mtime(text: str | None, default_ns: int) -> int:
@@ -146,13 +160,9 @@ class Namespace:
         return inode.symlink_target
 
     def _new_file(self, parent: Inode, name: str, info: ObjectInfo, with_metadata: bool) -> Inode:
-        mode = stat.S_IFREG | 0o644
         md = info.metadata
-        kind = stat.S_IFMT(_int(md.get("mode"), 0)) if with_metadata else 0
-        if kind == stat.S_IFLNK:
-            mode = stat.S_IFLNK | 0o777
-        elif kind in SPECIAL_TYPES and info.size == 0:
-            mode = kind | 0o644  # the permission bits follow in apply_object
+        kind = _kind_of(info) if with_metadata else stat.S_IFREG
+        mode = kind | (0o777 if kind == stat.S_IFLNK else 0o644)  # bits follow in apply_object
         inode = self.table.add(parent.ino, name, mode, self.uid, self.gid,
                                rdev=_int(md.get("rdev"), 0) if kind in SPECIAL_TYPES else 0)
         self.apply_object(inode, info, with_metadata)
@@ -307,7 +317,8 @@ class Namespace:
             if info is None:
                 child.validated_at = now
                 return True, child
-            if info.etag != child.etag and (child.is_special or child.is_symlink or info.size == 0):
+            if info.etag != child.etag and (child.is_special or child.is_symlink
+                                            or info.size <= SYMLINK_MAX):
                 return False, None  # its kind is in its metadata: the full lookup HEADs it
             return True, self._refresh_file(parent, child, info, with_metadata=False)
         covered = more is None or _sort_key(key + "/") <= last
@@ -330,15 +341,16 @@ class Namespace:
         inode.mtime_ns = _parse_mtime(md.get("mtime"), inode.mtime_ns)
         inode.meta_known = True
 
-    async def _head_empty(self, dir_key: str, directory: Inode,
+    async def _head_small(self, dir_key: str, directory: Inode,
                           files: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
-        """HEAD every zero-byte object whose kind the table does not know: a LIST entry
-        cannot tell a fifo, socket or device (their type is in the metadata) from an empty
-        file. A checkpoint directory holds few empty objects (a marker or two)."""
+        """HEAD the objects whose type a LIST entry cannot tell (see SMALL_HEADS)."""
         def known(name: str, info: ObjectInfo) -> bool:  # or owned by the mount: not asked
             c = self.table.child(directory.ino, name)
             return c is not None and (c.is_local or (c.meta_known and c.etag == info.etag))
-        names = [n for n, info in files.items() if info.size == 0 and not known(n, info)]
+        unknown = [(n, info.size) for n, info in files.items()
+                   if info.size <= SYMLINK_MAX and not known(n, info)]
+        few = sum(1 for _, size in unknown if size > 0) <= SMALL_HEADS
+        names = [n for n, size in unknown if size == 0 or few]
         headed: dict[str, ObjectInfo] = {}
         limit = trio.CapacityLimiter(16)
 
@@ -379,7 +391,7 @@ class Namespace:
                     files[name] = obj
                 else:
                     self._warn_once(obj.key, "not a valid file name")
-        headed = await self._head_empty(dir_key, directory, files)
+        headed = await self._head_small(dir_key, directory, files)
         entries: list[Inode] = []
         seen: set[str] = set()
         for name in sorted(dirs | set(files)):

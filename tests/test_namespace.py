@@ -11,7 +11,7 @@ import trio.testing
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.masks import Masks
-from ckptfs.namespace import Namespace, valid_name
+from ckptfs.namespace import SMALL_HEADS, Namespace, valid_name
 from ckptfs.s3types import ListPage, ObjectInfo
 from fakes3 import MemoryS3
 
@@ -33,7 +33,7 @@ class FakeListing:
                 if p not in prefixes:
                     prefixes.append(p)
             else:
-                objects.append(ObjectInfo(key, 1, '"e"', 0.0))
+                objects.append(ObjectInfo(key, 1 << 20, '"e"', 0.0))  # too large to HEAD
         yield ListPage(prefixes, objects)
 
 
@@ -221,3 +221,31 @@ async def test_a_listing_never_heads_an_empty_object_the_mount_itself_owns() -> 
     entries = {e.name: e for e in await ns.list_dir(table[ROOT_INODE])}
     assert entries["mine"] is mine and stat.S_ISFIFO(entries["theirs"].mode)
     assert [k for op, k in s3.requests if op == "HEAD"] == ["p/theirs"]
+
+
+async def test_a_listing_shows_a_symlink_written_elsewhere_as_a_symlink() -> None:
+    s3 = MemoryS3()
+    await s3.put("p/latest", b"step_1000", {"mode": str(stat.S_IFLNK | 0o777)})
+    await s3.put("p/model.pt", b"w" * 5000, {"mode": str(stat.S_IFREG | 0o600)})
+    await s3.put("p/tiny.json", b"{}", {"mode": str(stat.S_IFREG | 0o640)})
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(s3, table, 0, 0, ttl=1.0)  # type: ignore[arg-type]
+    entries = {e.name: e for e in await ns.list_dir(table[ROOT_INODE])}
+    assert entries["latest"].is_symlink and await ns.symlink_target(entries["latest"]) == b"step_1000"
+    assert stat.S_ISREG(entries["tiny.json"].mode) and stat.S_IMODE(entries["tiny.json"].mode) == 0o640
+    assert stat.S_ISREG(entries["model.pt"].mode)
+    assert sorted(k for op, k in s3.requests if op == "HEAD") == ["p/latest", "p/tiny.json"]
+    await ns.list_dir(table[ROOT_INODE])
+    assert len([k for op, k in s3.requests if op == "HEAD"]) == 2  # known now: no HEAD again
+
+
+async def test_a_listing_of_many_tiny_files_costs_no_head_but_empty_objects_still_do() -> None:
+    s3 = MemoryS3()
+    for i in range(SMALL_HEADS + 1):
+        await s3.put(f"p/s{i:03d}", b"x", {})
+    await s3.put("p/fifo", b"", {"mode": str(stat.S_IFIFO | 0o600)})
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(s3, table, 0, 0, ttl=1.0)  # type: ignore[arg-type]
+    entries = await ns.list_dir(table[ROOT_INODE])
+    assert len(entries) == SMALL_HEADS + 2
+    assert [k for op, k in s3.requests if op == "HEAD"] == ["p/fifo"]

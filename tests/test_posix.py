@@ -192,6 +192,9 @@ def test_hard_links_fail_cleanly_and_symlinks_are_objects(mounter: Mounter, s3, 
     assert s3_bytes(s3, f"{prefix}/last.ckpt") == b"target.ckpt"
     mnt.unmount()
     again = mounter()
+    # Listed before any lookup: the listing itself must tell the symlink from a file.
+    assert {e.name: e.is_symlink() for e in os.scandir(again.path)} == {
+        "target.ckpt": False, "last.ckpt": True}
     assert os.path.islink(again.path / "last.ckpt")
     assert os.readlink(again.path / "last.ckpt") == "target.ckpt"
 
