@@ -113,6 +113,7 @@ class OpenFiles:
             staged.remove()
             raise
         inode.staged = staged
+        inode.upload.crcs.clear()  # they describe bytes written to an earlier staged file
 
     async def _unshare(self, inode: Inode, keep_bytes: bool) -> None:
         """Before the staged bytes change: if a pending log entry publishes them, the inode
@@ -172,7 +173,8 @@ class OpenFiles:
         node.changed()
         if not node.unlinked:  # an unlinked file is never uploaded
             self.uploader.note_write(node.upload, node.staged.path, lambda: self.table.key_of(node),
-                                     lambda: object_metadata(node), off, off + written)
+                                     lambda: object_metadata(node), off, off + written,
+                                     buf if written == len(buf) else buf[:written])
         return written
 
     async def _pwrite(self, node: Inode, buf: bytes, off: int) -> int:

@@ -284,17 +284,19 @@ class S3Client:
         return r["UploadId"]
 
     async def upload_part(self, key: str, upload_id: str, number: int, fd: int, start: int,
-                          size: int, deadline: float | None = None) -> tuple[str, int]:
+                          size: int, deadline: float | None = None,
+                          crc: int | None = None) -> tuple[str, int]:
         """Upload bytes [start, start + size) of `fd` as part `number`, with their CRC32
         (which the server checks: a part damaged on the way is refused, and sent again).
-        Returns (ETag, CRC32)."""
+        `crc`: their CRC32 as the writes computed it, if known; a retry reads it again from
+        the file. Returns (ETag, CRC32)."""
         def send(body: Any, crc: int) -> str:
             with _mapped(f"UploadPart {number}", key):
                 r = self._c.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                         PartNumber=number, Body=body, ChecksumCRC32=b64_crc32(crc))
             return r["ETag"]
         return await self._send_range(f"UploadPart {number} of {key}", fd, start, size, deadline,
-                                      send)
+                                      send, crc)
 
     async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
                        deadline: float | None = None) -> tuple[str, int]:
@@ -308,12 +310,15 @@ class S3Client:
 
     async def _send_range(self, what: str, fd: int, start: int, size: int,
                           deadline: float | None,
-                          send: Callable[[Any, int], str]) -> tuple[str, int]:
+                          send: Callable[[Any, int], str],
+                          known_crc: int | None = None) -> tuple[str, int]:
         """Send bytes [start, start + size) of `fd` with `send(body, crc)` in a worker thread,
         retried. Where the client sends with sendfile, and for a body larger than the whole
         memory budget, the body is a view of the file, sent after a first pass for its
-        CRC32; otherwise the bytes are read once into a buffer of the budget, then
-        checksummed and sent from it."""
+        CRC32 (skipped on the first attempt when `known_crc` gives it: a server that refuses
+        it gets the file's own CRC32 on the retry); otherwise the bytes are read once into a
+        buffer of the budget, then checksummed and sent from it."""
+        known = [] if known_crc is None else [known_crc]
         def from_buffer(buf: bytearray) -> tuple[str, int]:
             if os.preadv(fd, [buf], start) != size:
                 raise S3Error("the staged file is shorter than its recorded size", retryable=False)
@@ -321,7 +326,7 @@ class S3Client:
             return send(buf, crc), crc
 
         def streamed() -> tuple[str, int]:
-            crc = crc_of_range(fd, start, size)
+            crc = known.pop() if known else crc_of_range(fd, start, size)
             return send(FileRange(fd, start, size), crc), crc
 
         if self.sendfile or not self.bodies.fits(size):

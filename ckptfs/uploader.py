@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.checksum import b64_crc32, crc32_of_parts
+from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
 from ckptfs.journal import Journal
 from ckptfs.parts import PartPlan, PartRange
@@ -91,14 +91,23 @@ class Uploader:
     # ----- called by the filesystem --------------------------------------
 
     def note_write(self, up: FileUpload, path: str, key: Callable[[], str],
-                   metadata: Callable[[], dict[str, str]], offset: int, end: int) -> None:
-        """Record a write of [offset, end); start uploading every part this write completed."""
+                   metadata: Callable[[], dict[str, str]], offset: int, end: int,
+                   data: bytes | None = None) -> None:
+        """Record a write of [offset, end); start uploading every part this write completed.
+
+        With the written `data`, a part written from its start in order gets its CRC32 here,
+        from bytes still in the CPU's cache, and is sent without reading it back first."""
         if end <= offset:
             return
         up.clock += 1
         first, last = self.plan.part_at(offset), self.plan.part_at(end - 1)
         for n in range(first, last + 1):
+            before = up.touched.get(n)
             up.touched[n] = up.clock
+            if data is not None:
+                self._checksum(up, n, before, offset, data)
+            else:
+                up.crcs.pop(n, None)
         if end <= self.plan.base_size or not self.stream_while_writing:
             return  # a file of one part goes up with a single PUT at close
         if up.touched.get(1) is not None and 1 not in up.parts and 1 not in up.sending:
@@ -110,12 +119,36 @@ class Uploader:
                 self._begin()
                 self._nursery.start_soon(self._stream_part, up, path, key(), metadata(), r)
 
+    def _checksum(self, up: FileUpload, n: int, before: int | None, offset: int, data: bytes) -> None:
+        """Carry part n's running CRC32 over the piece of `data` (written at `offset`) in it."""
+        r = self.plan.part(n)
+        lo, hi = max(offset, r.start), min(offset + len(data), r.end)
+        piece = memoryview(data)[lo - offset:hi - offset]
+        known = up.crcs.get(n)
+        if lo == r.start:  # the part begins again
+            up.crcs[n] = (hi - lo, crc32(piece), up.clock)
+        elif known is not None and known[2] == before and r.start + known[0] == lo:
+            up.crcs[n] = (hi - r.start, crc32(piece, known[1]), up.clock)
+        else:  # a gap, or bytes written over: the part's CRC32 is read from the file
+            up.crcs.pop(n, None)
+
+    def known_crc(self, up: FileUpload, r: PartRange) -> int | None:
+        """Part r's CRC32 if its writes computed it for exactly its current bytes."""
+        known = up.crcs.get(r.number)
+        if (known is None or known[0] != r.size or known[2] != up.touched.get(r.number)
+                or self.plan.part(r.number).start != r.start):
+            return None
+        return known[1]
+
     def note_truncate(self, up: FileUpload, size: int) -> None:
         """Parts reaching past `size` changed (cut, or zero-filled when the file grows back)."""
         up.clock += 1
         for n, rec in up.parts.items():
             if rec.end > size:
                 up.touched[n] = up.clock
+        for n, (length, _, _) in list(up.crcs.items()):
+            if self.plan.part(n).start + length > size:
+                del up.crcs[n]
 
     async def finish(self, up: FileUpload, path: str, key: str, size: int,
                      metadata: dict[str, str],
@@ -216,11 +249,17 @@ class Uploader:
     async def _send_part(self, up: FileUpload, fd: int, key: str, upload_id: str, r: PartRange,
                          deadline: float) -> None:
         clock = up.clock  # taken before the bytes are read: a later write makes them stale
+        known = self.known_crc(up, r)
         async with self.parts_limiter:
             # A part the server rejected for a checksum mismatch (damaged on the way) is sent
             # again by s3.py, like every transient fault; it is never completed.
-            etag, crc = await self.s3.upload_part(key, upload_id, r.number, fd, r.start, r.size,
-                                                  deadline)
+            try:
+                etag, crc = await self.s3.upload_part(key, upload_id, r.number, fd, r.start,
+                                                      r.size, deadline, crc=known)
+            except BaseException:
+                if known is not None:  # whatever failed, the next attempt reads the file
+                    up.crcs.pop(r.number, None)
+                raise
         self.bytes_uploaded += r.size
         if up.upload_id == upload_id:
             up.parts[r.number] = PartRecord(r.start, r.end, etag, crc, clock)

@@ -47,6 +47,9 @@ class FileUpload:
     metadata: dict[str, str] | None = None
     parts: dict[int, PartRecord] = field(default_factory=dict)
     touched: dict[int, int] = field(default_factory=dict)  # part number -> write clock of last change
+    # part number -> (bytes from the part's start, their CRC32) that sequential writes have
+    # checksummed as they arrived, valid while touched[n] is the clock of the last of them
+    crcs: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # n -> (length, crc, clock)
     clock: int = 0
     sending: dict[int, trio.Event] = field(default_factory=dict)
     create_lock: trio.Lock = field(default_factory=trio.Lock)

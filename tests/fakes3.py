@@ -90,6 +90,7 @@ class MemoryS3:
         self.visible: list[tuple[str, str]] = []
         self.requests: list[tuple[str, str]] = []
         self.part_gate = threading.Event()
+        self.part_crcs: list[tuple[int, int | None]] = []  # (part number, CRC32 the caller gave)
         self.part_gate.set()
         self.fail_puts = 0
         self.fail_for: dict[str, int] = {}
@@ -208,10 +209,14 @@ class MemoryS3:
         return await self._request("CreateMultipartUpload", key, deadline, effect)
 
     async def upload_part(self, key: str, upload_id: str, number: int, fd: int, start: int,
-                          size: int, deadline: float | None = None) -> tuple[str, int]:
+                          size: int, deadline: float | None = None,
+                          crc: int | None = None) -> tuple[str, int]:
+        self.part_crcs.append((number, crc))
         def effect() -> tuple[str, int]:
             self.part_gate.wait(10)
             data = os.pread(fd, size, start)
+            if crc is not None and crc != crc32(data):  # as S3 refuses a wrong x-amz-checksum-crc32
+                raise S3Error(f"UploadPart {number} of {key}: BadDigest", "BadDigest", 400)
             if upload_id not in self.uploads:
                 raise NoSuchKey(f"NoSuchUpload {upload_id}")
             self.uploads[upload_id][1][number] = data

@@ -38,14 +38,14 @@ def _parts_sent(s3: MemoryS3) -> int:
 
 async def _write(up: Uploader, fu: FileUpload, path: str, data: bytes, offset: int = 0,
                  chunk: int = MiB) -> None:
-    """What the FUSE write handler does: pwrite, then tell the uploader."""
+    """What the FUSE write handler does: pwrite, then tell the uploader (with the bytes)."""
     fd = os.open(path, os.O_WRONLY)
     try:
         for start in range(0, len(data), chunk):
             piece = data[start:start + chunk]
             os.pwrite(fd, piece, offset + start)
             up.note_write(fu, path, lambda: "ck/model.pt", lambda: {"mode": "33188"},
-                          offset + start, offset + start + len(piece))
+                          offset + start, offset + start + len(piece), piece)
             await trio.sleep(0)
     finally:
         os.close(fd)
@@ -88,6 +88,66 @@ async def test_a_part_rewritten_after_it_was_streamed_is_sent_again(tmp_path: Pa
         await up.finish(fu, path, "ck/model.pt", len(data), {})
     assert s3.objects["ck/model.pt"] == data
     assert _parts_sent(s3) == 4  # part 1 twice
+
+
+def _given_crcs(s3: MemoryS3) -> dict[int, int | None]:
+    """The CRC32 each part number was last sent with by the caller (None: read from the file)."""
+    return dict(s3.part_crcs)
+
+
+async def test_parts_written_in_order_are_sent_with_the_crc32_of_their_writes(tmp_path: Path) -> None:
+    s3 = MemoryS3()
+    path, data = str(tmp_path / "staged"), os.urandom(12 * MiB)
+    open(path, "wb").close()
+    async with trio.open_nursery() as nursery:
+        up = _uploader(s3, nursery)
+        fu = FileUpload()
+        await _write(up, fu, path, data, chunk=MiB + 4097)  # writes that straddle parts
+        await up.finish(fu, path, "ck/model.pt", len(data), {})
+    parts = [data[i:i + PART] for i in range(0, len(data), PART)]
+    assert _given_crcs(s3) == {n + 1: crc32(p) for n, p in enumerate(parts)}  # the tail too
+    assert s3.objects["ck/model.pt"] == data
+
+
+async def test_a_part_written_out_of_order_or_cut_and_regrown_is_checksummed_from_the_file(
+        tmp_path: Path) -> None:
+    s3 = MemoryS3()
+    path, data = str(tmp_path / "staged"), bytearray(os.urandom(15 * MiB))
+    open(path, "wb").close()
+    async with trio.open_nursery() as nursery:
+        up = _uploader(s3, nursery, stream=False)
+        fu = FileUpload()
+        await _write(up, fu, path, bytes(data[:PART]))  # part 1 in order...
+        await _write(up, fu, path, b"x" * 100, offset=100)  # ...then its header patched
+        data[100:200] = b"x" * 100
+        await _write(up, fu, path, bytes(data[PART + MiB:2 * PART]), offset=PART + MiB)
+        await _write(up, fu, path, bytes(data[PART:PART + MiB]), offset=PART)  # part 2 backwards
+        await _write(up, fu, path, bytes(data[2 * PART:]), offset=2 * PART)  # part 3 in order,
+        os.truncate(path, 2 * PART + MiB)  # cut and grown back: zeros the writes never saw
+        up.note_truncate(fu, 2 * PART + MiB)
+        os.truncate(path, len(data))
+        up.note_truncate(fu, len(data))
+        data[2 * PART + MiB:] = bytes(len(data) - 2 * PART - MiB)
+        await up.finish(fu, path, "ck/model.pt", len(data), {})
+    assert _given_crcs(s3) == {1: None, 2: None, 3: None}
+    assert s3.objects["ck/model.pt"] == data
+
+
+async def test_a_refused_crc32_from_the_writes_is_read_from_the_file_next_time(tmp_path: Path) -> None:
+    s3 = MemoryS3()
+    path, data = str(tmp_path / "staged"), os.urandom(6 * MiB)
+    open(path, "wb").close()
+    async with trio.open_nursery() as nursery:
+        up = _uploader(s3, nursery, stream=False)
+        fu = FileUpload()
+        await _write(up, fu, path, data)
+        length, crc, clock = fu.crcs[1]
+        fu.crcs[1] = (length, crc ^ 1, clock)  # as if the writes had computed it wrong
+        with pytest.raises(UploadError):
+            await up.finish(fu, path, "ck/model.pt", len(data), {})
+        await up.finish(fu, path, "ck/model.pt", len(data), {})
+    assert [c for n, c in s3.part_crcs if n == 1] == [crc ^ 1, None]
+    assert s3.objects["ck/model.pt"] == data
 
 
 async def test_without_streaming_everything_goes_at_finish(tmp_path: Path) -> None:
