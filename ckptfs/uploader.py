@@ -249,8 +249,8 @@ class Uploader:
     async def _send_part(self, up: FileUpload, fd: int, key: str, upload_id: str, r: PartRange,
                          deadline: float) -> None:
         clock = up.clock  # taken before the bytes are read: a later write makes them stale
-        known = self.known_crc(up, r)
         async with self.parts_limiter:
+            known = self.known_crc(up, r)  # once its turn comes: as close to the send as can be
             # A part the server rejected for a checksum mismatch (damaged on the way) is sent
             # again by s3.py, like every transient fault; it is never completed.
             try:
