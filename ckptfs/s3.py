@@ -299,14 +299,15 @@ class S3Client:
                                       send, crc)
 
     async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
-                       deadline: float | None = None) -> tuple[str, int]:
-        """PutObject of the first `size` bytes of `fd`, with their CRC32; (ETag, CRC32)."""
+                       deadline: float | None = None, crc: int | None = None) -> tuple[str, int]:
+        """PutObject of the first `size` bytes of `fd`, with their CRC32 (`crc`, if the writes
+        computed it, as for upload_part); (ETag, CRC32)."""
         def send(body: Any, crc: int) -> str:
             with _mapped("PUT", key):
                 r = self._c.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata,
                                        ChecksumCRC32=b64_crc32(crc))
             return r.get("ETag", "")
-        return await self._send_range(f"PUT {key}", fd, 0, size, deadline, send)
+        return await self._send_range(f"PUT {key}", fd, 0, size, deadline, send, crc)
 
     async def _send_range(self, what: str, fd: int, start: int, size: int,
                           deadline: float | None,

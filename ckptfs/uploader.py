@@ -172,7 +172,8 @@ class Uploader:
                     if before_visible is not None:
                         await before_visible()
                         deadline = max(deadline, self.deadline())  # the wait is not the PUT's
-                    result = await self._put(fd, key, size, metadata, deadline)
+                    result = await self._put(fd, key, size, metadata, deadline,
+                                             self.known_crc(up, PartRange(1, 0, size)))
                 else:
                     result = await self._complete(up, fd, key, size, metadata, deadline,
                                                   before_visible)
@@ -222,8 +223,8 @@ class Uploader:
             await event.wait()
 
     async def _put(self, fd: int, key: str, size: int, metadata: dict[str, str],
-                   deadline: float) -> UploadResult:
-        etag, crc = await self.s3.put_file(key, fd, size, metadata, deadline)
+                   deadline: float, known_crc: int | None) -> UploadResult:
+        etag, crc = await self.s3.put_file(key, fd, size, metadata, deadline, known_crc)
         self.bytes_uploaded += size
         await self._verify(key, size, etag, crc, deadline)
         return UploadResult(etag, 1)

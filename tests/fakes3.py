@@ -193,8 +193,11 @@ class MemoryS3:
         return await self._request("PUT", key, deadline, effect)
 
     async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
-                       deadline: float | None = None) -> tuple[str, int]:
+                       deadline: float | None = None, crc: int | None = None) -> tuple[str, int]:
+        self.part_crcs.append((0, crc))  # part 0: a single PUT
         body = os.pread(fd, size, 0)
+        if crc is not None and crc != crc32(body):
+            raise S3Error(f"PUT {key}: BadDigest", "BadDigest", 400)
         return await self.put(key, body, metadata, deadline), crc32(body)
 
     async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True,

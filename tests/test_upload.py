@@ -109,6 +109,19 @@ async def test_parts_written_in_order_are_sent_with_the_crc32_of_their_writes(tm
     assert s3.objects["ck/model.pt"] == data
 
 
+async def test_a_file_of_one_part_goes_up_in_one_put_with_the_crc32_of_its_writes(tmp_path: Path) -> None:
+    s3 = MemoryS3()
+    path, data = str(tmp_path / "staged"), os.urandom(3 * MiB + 5)
+    open(path, "wb").close()
+    async with trio.open_nursery() as nursery:
+        up = _uploader(s3, nursery)
+        fu = FileUpload()
+        await _write(up, fu, path, data)
+        await up.finish(fu, path, "ck/model.pt", len(data), {})
+    assert _given_crcs(s3) == {0: crc32(data)}  # part 0: the single PUT
+    assert s3.objects["ck/model.pt"] == data
+
+
 async def test_a_part_written_out_of_order_or_cut_and_regrown_is_checksummed_from_the_file(
         tmp_path: Path) -> None:
     s3 = MemoryS3()
