@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,6 +21,9 @@ from pathlib import Path
 DEFAULT_BUCKET = "ckptfs-test"
 ACCESS_KEY = "ckptfs-test-key"
 SECRET_KEY = "ckptfs-test-secret-do-not-log"
+# S3's bucket names: 3-63 lowercase letters, digits, dots and hyphens, a letter or digit at
+# each end. weed mini does not create any other, and then never answers ready.
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 def free_ports(count: int) -> list[int]:
@@ -136,6 +140,8 @@ def restart(server: DevServer) -> None:
 
 def start(data_dir: str, bucket: str = DEFAULT_BUCKET) -> DevServer:
     """Start `weed mini` with every one of its services on a free loopback port."""
+    if not _BUCKET_NAME.fullmatch(bucket):
+        raise ValueError(f"{bucket!r} is not an S3 bucket name (3-63 characters: a-z, 0-9, '.', '-')")
     (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin,
      admin_grpc, iceberg, lance) = free_ports(12)
     args = [
