@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=1024, help="MiB written in all")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--work", default="/var/tmp")
+    ap.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     args = ap.parse_args()
     py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     work = tempfile.mkdtemp(prefix="ckptfs-prof-", dir=args.work)
@@ -59,7 +60,7 @@ def main() -> int:
         pid = json.load(open(state_path(mnt)))["pid"]
         raw = os.path.join(work, "profile.txt")
         spy = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "250", "--nonblocking",
-                                "--format", "raw", "--output", raw],
+                                "--format", "raw", "--output", raw] + (["--gil"] if args.gil else []),
                                stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "spy.log"), "w"))
         time.sleep(1.0)
         cpu0, t = cpu_seconds(pid), time.monotonic()

@@ -16,7 +16,9 @@ SCHED_IDLE while the files are written (on a small host the server's ingest take
 the FUSE thread), and a bare pyfuse3 sink (bench/sink.py: only pwrites, writeback cache on), the
 limit of any pyfuse3 write path. It prints seconds,
 MiB/s, the acceptance ratios, and for every ckptfs row the daemon's CPU seconds per GiB
-(from /proc) and peak RSS, beside the raw client's CPU per GiB in the same run. Needs root
+(from /proc) and peak RSS, beside the raw client's CPU per GiB in the same run; the async
+rows also give the CPU the FUSE thread and the other threads spent while the files were
+written (what the writers waited on). Needs root
 (drop_caches, mounts) and Debian's s3fs and rclone. With `--rounds N` every workload runs N
 times in turn; the table gives each row's median and range, and each ratio is taken within
 a round and reported as the median over rounds.
@@ -367,6 +369,7 @@ class Bench:
             pid = json.load(open(self._state_file(mnt)))["pid"]
             cpu0 = self._cpu(pid)
             drop_caches()
+            loop0 = self._cpu(pid, thread=pid)
             if idle_server:
                 set_policy(self.server.proc.pid, os.SCHED_IDLE)
             t = time.monotonic()
@@ -376,6 +379,10 @@ class Bench:
                 if idle_server:
                     set_policy(self.server.proc.pid, os.SCHED_OTHER)
             closed = time.monotonic() - t
+            # What the writers waited on: the FUSE thread (trio's, the process's main thread)
+            # against the workers and everything else, while the files were written.
+            loop, whole = self._cpu(pid, thread=pid) - loop0, self._cpu(pid) - cpu0
+            stall_note = f"during the writes: FUSE thread {loop:.2f} CPU s, other threads {whole - loop:.2f}"
             if durability == "async":
                 subprocess.run([sys.executable, "-m", "ckptfs", "sync", mnt], env=self.env, check=True)
             durable = time.monotonic() - t
@@ -393,11 +400,11 @@ class Bench:
                     f"peak RSS {rss / MiB:.0f} MiB")
             if idle_server:
                 self.rows.append(Row(workload, "j. ckptfs async mode (close; S3 server SCHED_IDLE)",
-                                     closed, size))
+                                     closed, size, stall_note))
             elif durability == "close":
                 self.rows.append(Row(workload, "f. ckptfs close mode (close = in S3)", closed, size, note))
             else:
-                self.rows.append(Row(workload, "g. ckptfs async mode (close)", closed, size))
+                self.rows.append(Row(workload, "g. ckptfs async mode (close)", closed, size, stall_note))
                 self.rows.append(Row(workload, "g. ckptfs async mode (until sync returns)", durable, size, note))
         finally:
             subprocess.run([sys.executable, "-m", "ckptfs", "unmount", mnt], env=self.env,
@@ -454,8 +461,10 @@ class Bench:
         return state_path(mnt)
 
     @staticmethod
-    def _cpu(pid: int) -> float:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    def _cpu(pid: int, thread: int | None = None) -> float:
+        """CPU seconds of process `pid`, or of its one `thread`."""
+        stat = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+        fields = open(stat).read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     @staticmethod
