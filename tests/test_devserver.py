@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from devtools import devserver
@@ -12,8 +10,6 @@ from devtools import devserver
 @pytest.mark.parametrize("bucket", ["ab", "Checkpoints", "ckpt_fs", "-ckpt", "x" * 64])
 def test_a_name_s3_would_refuse_is_refused_before_the_server_starts(tmp_path, bucket) -> None:
     # weed mini creates no such bucket, and start() used to wait 90 s for it to answer.
-    t = time.monotonic()
     with pytest.raises(ValueError, match="not an S3 bucket name"):
         devserver.start(str(tmp_path / "weed"), bucket=bucket)
-    assert time.monotonic() - t < 5
     assert not (tmp_path / "weed").exists()  # nothing was started
