@@ -18,7 +18,7 @@ limit of any pyfuse3 write path. It prints seconds,
 MiB/s, the acceptance ratios, and for every ckptfs row the daemon's CPU seconds per GiB
 (from /proc) and peak RSS, beside the raw client's CPU per GiB in the same run; the async
 rows also give the CPU the FUSE thread and the other threads spent while the files were
-written (what the writers waited on). Needs root
+written, and how long the FUSE thread waited for a CPU (what the writers waited on). Needs root
 (drop_caches, mounts) and Debian's s3fs and rclone. With `--rounds N` every workload runs N
 times in turn; the table gives each row's median and range, and each ratio is taken within
 a round and reported as the median over rounds.
@@ -369,7 +369,7 @@ class Bench:
             pid = json.load(open(self._state_file(mnt)))["pid"]
             cpu0 = self._cpu(pid)
             drop_caches()
-            loop0 = self._cpu(pid, thread=pid)
+            loop0, queued0 = self._cpu(pid, thread=pid), self._runnable_wait(pid)
             if idle_server:
                 set_policy(self.server.proc.pid, os.SCHED_IDLE)
             t = time.monotonic()
@@ -382,7 +382,9 @@ class Bench:
             # What the writers waited on: the FUSE thread (trio's, the process's main thread)
             # against the workers and everything else, while the files were written.
             loop, whole = self._cpu(pid, thread=pid) - loop0, self._cpu(pid) - cpu0
-            stall_note = f"during the writes: FUSE thread {loop:.2f} CPU s, other threads {whole - loop:.2f}"
+            queued = self._runnable_wait(pid) - queued0
+            stall_note = (f"during the writes: FUSE thread {loop:.2f} CPU s and {queued:.2f} s "
+                          f"waiting for a CPU, other threads {whole - loop:.2f} CPU s")
             if durability == "async":
                 subprocess.run([sys.executable, "-m", "ckptfs", "sync", mnt], env=self.env, check=True)
             durable = time.monotonic() - t
@@ -466,6 +468,11 @@ class Bench:
         stat = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
         fields = open(stat).read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _runnable_wait(pid: int) -> float:
+        """Seconds the main thread of `pid` has spent runnable but not running (schedstat)."""
+        return int(open(f"/proc/{pid}/task/{pid}/schedstat").read().split()[1]) / 1e9
 
     @staticmethod
     def _peak_rss(pid: int) -> int:
