@@ -45,6 +45,14 @@ COPY_PART_SIZE = 1 * GiB
 _DELETE_BATCH = 1000
 
 
+def _etag(response: dict[str, Any]) -> str:
+    """An object's ETag in one spelling, quoted as HEAD and LIST give it: SeaweedFS leaves the
+    quotes off in CopyObjectResult, and a renamed file then looked changed on its next lookup
+    (a new inode number, its local copy dropped)."""
+    etag = response.get("ETag", "").strip('"')
+    return f'"{etag}"' if etag else ""
+
+
 def _timestamp(value: Any) -> float:
     if isinstance(value, dt.datetime):
         return value.timestamp()
@@ -172,7 +180,7 @@ class S3Client:
         if checksum:
             kwargs["ChecksumMode"] = "ENABLED"
         r = await self._call("HEAD", key, self._c.head_object, deadline, **kwargs)
-        return ObjectInfo(key, r["ContentLength"], r.get("ETag", ""), _timestamp(r.get("LastModified")),
+        return ObjectInfo(key, r["ContentLength"], _etag(r), _timestamp(r.get("LastModified")),
                           dict(r.get("Metadata", {})), r.get("ChecksumCRC32"))
 
     async def list_page(self, prefix: str, token: str | None, delimiter: str = "/",
@@ -185,7 +193,7 @@ class S3Client:
         if start_after:
             kwargs["StartAfter"] = start_after
         r = await self._call("LIST", prefix, self._c.list_objects_v2, **kwargs)
-        objects = [ObjectInfo(o["Key"], o["Size"], o.get("ETag", ""), _timestamp(o.get("LastModified")))
+        objects = [ObjectInfo(o["Key"], o["Size"], _etag(o), _timestamp(o.get("LastModified")))
                    for o in r.get("Contents", [])]
         prefixes = [p["Prefix"] for p in r.get("CommonPrefixes", [])]
         nxt = r.get("NextContinuationToken") if r.get("IsTruncated") else None
@@ -271,7 +279,7 @@ class S3Client:
         """PutObject with a CRC32 the server verifies and keeps as the object's checksum."""
         r = await self._call("PUT", key, self._c.put_object, deadline, Key=key, Body=body,
                              Metadata=metadata, ChecksumCRC32=b64_crc32(crc32(body)))
-        return r.get("ETag", "")
+        return _etag(r)
 
     async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True,
                                deadline: float | None = None) -> str:
@@ -306,7 +314,7 @@ class S3Client:
             with _mapped("PUT", key):
                 r = self._c.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata,
                                        ChecksumCRC32=b64_crc32(crc))
-            return r.get("ETag", "")
+            return _etag(r)
         return await self._send_range(f"PUT {key}", fd, 0, size, deadline, send, crc)
 
     async def _send_range(self, what: str, fd: int, start: int, size: int,
@@ -345,7 +353,7 @@ class S3Client:
         r = await self._call("CompleteMultipartUpload", key, self._c.complete_multipart_upload,
                              deadline, Key=key, UploadId=upload_id,
                              MultipartUpload={"Parts": parts}, **kwargs)
-        return r.get("ETag", "")
+        return _etag(r)
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         await self._call("AbortMultipartUpload", key, self._c.abort_multipart_upload,
@@ -400,7 +408,7 @@ class S3Client:
             if metadata is not None:
                 kwargs.update(MetadataDirective="REPLACE", Metadata=metadata)
             r = await self._call("COPY", dst, self._c.copy_object, deadline, **kwargs)
-            return r.get("CopyObjectResult", {}).get("ETag", "")
+            return _etag(r.get("CopyObjectResult", {}))
         if metadata is None:
             metadata = (await self.head(src)).metadata
         upload_id = await self.create_multipart(dst, metadata, checksum=False)

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -264,6 +265,26 @@ def test_write_temp_then_replace_and_rename_onto_existing(mnt: Mount, s3, prefix
         assert f"{prefix}/w.tmp" not in s3_keys(s3, prefix)
     assert s3_bytes(s3, f"{prefix}/w.final") == b"pending"
     assert f"{prefix}/w.tmp" not in s3_keys(s3, prefix)
+
+
+@pytest.mark.parametrize("durability", ["close", "async"])
+def test_a_renamed_file_keeps_its_inode_number_past_the_metadata_ttl(
+        mounter: Mounter, s3, prefix: str, durability: str) -> None:
+    """pjdfstest's rename/00.t checks this (CI once failed on it): after a rename made by
+    server-side copy, the next lookup of the new name (the TTL past) found the object's ETag
+    spelled otherwise than the copy's answer, took the file for changed, and gave it a new
+    inode number (a fifo, or a file with no local copy)."""
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/step_1.pt", Body=b"weights")
+    mnt = mounter("--durability", durability, "--metadata-ttl", "0.2")
+    os.mkfifo(mnt.path / "progress.fifo", 0o600)
+    os.chmod(mnt.path / "progress.fifo", 0o644)
+    before = {name: os.lstat(mnt.path / name).st_ino for name in ("progress.fifo", "step_1.pt")}
+    for name in before:
+        os.rename(mnt.path / name, mnt.path / f"{name}.moved")
+    time.sleep(0.6)  # past the TTL: the kernel asks the mount again, and the mount asks S3
+    after = {name: os.lstat(mnt.path / f"{name}.moved").st_ino for name in before}
+    assert after == before
+    assert (mnt.path / "step_1.pt.moved").read_bytes() == b"weights"
 
 
 def test_directory_rename_moves_everything(mounter: Mounter, s3, prefix: str) -> None:
