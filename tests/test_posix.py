@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -285,6 +286,22 @@ def test_a_renamed_file_keeps_its_inode_number_past_the_metadata_ttl(
     after = {name: os.lstat(mnt.path / f"{name}.moved").st_ino for name in before}
     assert after == before
     assert (mnt.path / "step_1.pt.moved").read_bytes() == b"weights"
+
+
+def test_a_checkpoint_saved_under_a_temporary_name_reads_back_locally_after_the_rename(
+        mounter: Mounter, s3, prefix: str) -> None:
+    """Save to a temporary name, then rename (how many trainers publish a checkpoint): the
+    copy kept on this host follows the rename, and reading it back later fetches nothing
+    from S3. It used to be fetched again once the TTL passed (the ETag spelling above)."""
+    mnt = mounter("--metadata-ttl", "0.2")
+    data = os.urandom(3 * 1024 * 1024)
+    (mnt.path / "model.pt.tmp").write_bytes(data)
+    os.rename(mnt.path / "model.pt.tmp", mnt.path / "model.pt")
+    time.sleep(0.6)
+    assert (mnt.path / "model.pt").read_bytes() == data
+    st = json.loads(run_ckptfs("status", str(mnt.path), "--json").stdout)
+    assert st["bytes_downloaded"] == 0
+    assert s3_bytes(s3, f"{prefix}/model.pt") == data
 
 
 def test_directory_rename_moves_everything(mounter: Mounter, s3, prefix: str) -> None:
