@@ -41,6 +41,11 @@ RETRYABLE_CODES = frozenset({
 })
 
 
+class LocalWriteError(OSError):
+    """Bytes received from S3 could not be written to a local file (a full cache disk):
+    the server is not at fault, and asking it again would not help."""
+
+
 class S3Error(CkptfsError):
     """An S3 request failed after boto3's retries.
 

@@ -27,10 +27,11 @@ import botocore.config
 import botocore.exceptions
 import trio
 
+from ckptfs import zerocopy
 from ckptfs.bodies import FileRange, crc_of_range, scatter
 from ckptfs.buffers import BufferBudget
 from ckptfs.checksum import b64_crc32, crc32
-from ckptfs.errors import NoSuchKey, S3Error
+from ckptfs.errors import LocalWriteError, NoSuchKey, S3Error
 from ckptfs.parts import GiB
 from ckptfs.retry import RetryPolicy
 from ckptfs.s3types import ListPage, ObjectInfo
@@ -145,6 +146,41 @@ def _read_body_into(key: str, body: Any, outs: list[memoryview],
     raw.release_conn()
 
 
+def _read_body_to_files(key: str, body: Any, targets: list[tuple[int, int]],
+                        filled: Callable[[int], None]) -> int:
+    """Write a botocore StreamingBody into the files `targets` (zerocopy.receive_into_files);
+    where urllib3's layer is not there, read it whole and write it. Returns the bytes
+    spliced."""
+    total = sum(n for _, n in targets)
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if fp is None or not hasattr(raw, "release_conn"):
+        with _mapped("GET", key):
+            data = body.read()
+        if len(data) != total:
+            raise S3Error(f"GET {key}: short body ({len(data)} of {total} bytes)", retryable=True)
+        offset = 0
+        for i, (fd, n) in enumerate(targets):
+            zerocopy.write_all(fd, memoryview(data)[offset:offset + n], 0)
+            offset += n
+            filled(i)
+        return 0
+    try:
+        spliced = zerocopy.receive_into_files(fp, targets, filled)
+    except LocalWriteError:
+        body.close()  # mid-body: the connection is not reused
+        raise
+    except (OSError, http.client.HTTPException) as exc:
+        body.close()  # the connection is in an unknown state: drop it, never pool it
+        raise S3Error(f"GET {key}: {exc!r}", type(exc).__name__, None, True) from None
+    if fp.length:
+        body.close()
+        raise S3Error(f"GET {key}: {fp.length} bytes of the body were not read", retryable=True)
+    fp.close()  # at the end of its body: the socket stays open for the pool
+    raw.release_conn()
+    return spliced
+
+
 class S3Client:
     """Async facade over one bucket. Keys passed in are full keys."""
 
@@ -239,18 +275,34 @@ class S3Client:
         """One ranged GET of the bytes from `start` that fill the buffers `outs` in order.
         `filled(i)` runs in the worker thread as soon as outs[i] is full (the rest may still
         fail). Fewer, larger GETs cost the client and the server less CPU per byte."""
-        full = [0]  # buffers filled so far, in order: a retry asks only for the rest
+        await self._get_ranges(key, start, [len(out) for out in outs], etag, filled,
+                               lambda body, first, done: _read_body_into(key, body, outs[first:], done))
 
-        def done(i: int) -> None:
-            full[0] = i + 1
-            if filled is not None:
-                filled(i)
+    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
+                                  etag: str | None = None,
+                                  filled: Callable[[int], None] | None = None) -> int:
+        """One ranged GET of the bytes from `start` written into the files `targets`
+        ((fd, length): each file from its offset 0), in order; `filled(i)` as for
+        get_ranges_into. Over plain HTTP the kernel splices the body from the socket into
+        the files' page cache: no buffer in this process holds it. A file that cannot be
+        written raises LocalWriteError (an OSError), which is never retried. Returns the bytes
+        spliced."""
+        spliced = [0]  # in the worker thread, attempt after attempt
+
+        def receive(body: Any, first: int, done: Callable[[int], None]) -> None:
+            spliced[0] += _read_body_to_files(key, body, targets[first:], done)
+        await self._get_ranges(key, start, [n for _, n in targets], etag, filled, receive)
+        return spliced[0]
+
+    async def _get_ranges(self, key: str, start: int, lengths: list[int], etag: str | None,
+                          filled: Callable[[int], None] | None,
+                          receive: Callable[[Any, int, Callable[[int], None]], None]) -> None:
+        full = [0]  # targets filled so far, in order: a retry asks only for the rest
 
         def run() -> None:
             first = full[0]
-            rest = outs[first:]
-            offset = start + sum(len(out) for out in outs[:first])
-            length = sum(len(out) for out in rest)
+            offset = start + sum(lengths[:first])
+            length = sum(lengths[first:])
             kwargs: dict[str, Any] = {"Key": key, "Range": f"bytes={offset}-{offset + length - 1}"}
             if etag:
                 kwargs["IfMatch"] = etag
@@ -259,7 +311,12 @@ class S3Client:
             if r.get("ContentLength", length) != length:
                 r["Body"].close()
                 raise S3Error(f"GET {key}: {r.get('ContentLength')} bytes for a range of {length}")
-            _read_body_into(key, r["Body"], rest, lambda i: done(first + i))
+
+            def done(i: int) -> None:
+                full[0] = first + i + 1
+                if filled is not None:
+                    filled(first + i)
+            receive(r["Body"], first, done)
         await self._retried(f"GET {key}", None,
                             lambda: trio.to_thread.run_sync(run, limiter=self.limiter))
 

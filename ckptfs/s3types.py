@@ -56,6 +56,10 @@ class S3(Protocol):
                               etag: str | None = None,
                               filled: Callable[[int], None] | None = None) -> None: ...
 
+    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
+                                  etag: str | None = None,
+                                  filled: Callable[[int], None] | None = None) -> int: ...
+
     async def download_to(self, key: str, fd: int, size: int, chunk: int,
                           etag: str | None = None) -> None: ...
 

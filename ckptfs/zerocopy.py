@@ -16,18 +16,23 @@ so nothing is installed and botocore sends as before.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import http.client
 import logging
+import os
 import select
 import socket
+import struct
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 from botocore.awsrequest import AWSResponse
 
 from ckptfs.bodies import FileRange
-from ckptfs.errors import S3Error
+from ckptfs.errors import LocalWriteError, S3Error
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +133,140 @@ class SendfileSender:
             self._local.conn = None
         self.sent += 1
         return AWSResponse(request.url, answer.status, answer.getheaders(), _Answer(data))
+
+
+# ----- receiving: GET bodies spliced into files ---------------------------------------
+
+_F_SETPIPE_SZ, _F_GETPIPE_SZ = 1031, 1032
+_PIPE_SIZE = 1 << 20  # the default pipe-max-size: a MiB moves per pair of splices
+_BOUNCE = 1 << 20
+_per_thread = threading.local()
+
+
+def _pipe() -> tuple[int, int, int]:
+    """This thread's pipe (read end, write end, capacity), kept for the thread's life."""
+    pipe = getattr(_per_thread, "pipe", None)
+    if pipe is None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            size = fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE_SIZE)
+        except OSError:
+            size = fcntl.fcntl(w, _F_GETPIPE_SZ)
+        pipe = _per_thread.pipe = (r, w, size)
+    return pipe
+
+
+def _drop_pipe() -> None:
+    """A pipe that may still hold bytes of a failed body is never used again."""
+    pipe = getattr(_per_thread, "pipe", None)
+    _per_thread.pipe = None
+    if pipe is not None:
+        os.close(pipe[0])
+        os.close(pipe[1])
+
+
+def _plain_socket(response: http.client.HTTPResponse) -> socket.socket | None:
+    """The socket under `response` if its body can be spliced from it: a plain TCP socket
+    (TLS decrypts in user space) and a body of known length (not chunked)."""
+    raw = getattr(getattr(response, "fp", None), "raw", None)
+    sock = getattr(raw, "_sock", None)
+    if (type(sock) is not socket.socket or response.chunked or response.length is None):
+        return None
+    return sock
+
+
+@contextlib.contextmanager
+def _blocking(sock: socket.socket) -> Iterator[None]:
+    """The socket's descriptor in blocking mode, its timeout kept by SO_RCVTIMEO, for as
+    long as the body is spliced. A socket with a timeout is non-blocking underneath, and a
+    splice from it moves only what has arrived (often 64 KiB); blocking, one call fills the
+    pipe. Python's own reads of it are unaffected (they poll before each read either way)."""
+    fd = sock.fileno()
+    timeout = sock.gettimeout()
+    if timeout is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
+    os.set_blocking(fd, True)
+    try:
+        yield
+    finally:
+        os.set_blocking(fd, timeout is None)
+        if timeout is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+
+
+def write_all(fd: int, data: memoryview, offset: int) -> None:
+    """pwrite all of `data` at `offset`; a failure is a LocalWriteError."""
+    try:
+        while data:
+            n = os.pwrite(fd, data, offset)
+            data, offset = data[n:], offset + n
+    except OSError as exc:
+        raise LocalWriteError(exc.errno, exc.strerror) from None
+
+
+def _splice_in(sock: socket.socket, fd: int, offset: int, length: int) -> None:
+    """Move `length` bytes from the socket to `fd` at `offset` through this thread's pipe:
+    the kernel copies them once, into the file's page cache; Python never sees them."""
+    r, w, size = _pipe()
+    src = sock.fileno()
+    try:
+        while length:
+            try:
+                got = os.splice(src, w, min(size, length), flags=os.SPLICE_F_MOVE)
+            except BlockingIOError:  # SO_RCVTIMEO ran out
+                raise TimeoutError("timed out reading the body") from None
+            if not got:
+                raise http.client.IncompleteRead(b"", length)
+            length -= got
+            while got:
+                try:
+                    put = os.splice(r, fd, got, offset_dst=offset, flags=os.SPLICE_F_MOVE)
+                except OSError as exc:
+                    raise LocalWriteError(exc.errno, exc.strerror) from None
+                got -= put
+                offset += put
+    except BaseException:
+        _drop_pipe()
+        raise
+
+
+def receive_into_files(response: http.client.HTTPResponse, targets: list[tuple[int, int]],
+                       filled: Callable[[int], None] | None = None) -> int:
+    """Write the rest of `response`'s body into the files `targets` ((fd, length) each,
+    written from offset 0), in order, calling `filled(i)` once file i has all its bytes.
+
+    Over plain HTTP the body is spliced from the socket (one copy, in the kernel, into the
+    page cache); otherwise (TLS, a chunked body) it passes through one reused buffer per
+    thread. Raises LocalWriteError if a file cannot be written; anything else is the
+    connection's fault. The caller checks the length and puts the connection back.
+    Returns how many bytes were spliced."""
+    sock = _plain_socket(response)
+    if sock is not None and sum(n for _, n in targets) != response.length:
+        sock = None  # not the body we asked for: let the caller's length check say so
+    bounce = getattr(_per_thread, "bounce", None)
+    if bounce is None:
+        bounce = _per_thread.bounce = bytearray(_BOUNCE)
+    # Bytes already in the response's buffer (read with the headers) go through it; then the
+    # buffer is empty, and the socket is only ever read past them.
+    head = len(response.fp.peek(1)) if sock is not None else 0
+    spliced = 0
+    for i, (fd, length) in enumerate(targets):
+        offset = 0
+        while offset < length:
+            if sock is not None and not head:
+                with _blocking(sock):
+                    _splice_in(sock, fd, offset, length - offset)
+                response.length -= length - offset  # read behind http.client's back
+                spliced += length - offset
+                break
+            view = memoryview(bounce)[:min(_BOUNCE, length - offset, head or _BOUNCE)]
+            got = response.readinto(view)
+            if not got:
+                raise http.client.IncompleteRead(b"", length - offset)
+            write_all(fd, view[:got], offset)
+            offset += got
+            head = max(0, head - got)
+        if filled is not None:
+            filled(i)
+    return spliced

@@ -174,6 +174,17 @@ class MemoryS3:
         scatter(await self.get_range(key, start, start + sum(len(o) for o in outs), etag),
                 outs, filled)
 
+    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
+                                  etag: str | None = None,
+                                  filled: Callable[[int], None] | None = None) -> int:
+        data = await self.get_range(key, start, start + sum(n for _, n in targets), etag)
+        for i, (fd, n) in enumerate(targets):
+            os.pwrite(fd, data[:n], 0)
+            data = data[n:]
+            if filled is not None:
+                filled(i)
+        return 0
+
     async def download_to(self, key: str, fd: int, size: int, chunk: int,
                           etag: str | None = None) -> None:
         os.pwrite(fd, await self.get_range(key, 0, size, etag), 0)

@@ -7,8 +7,12 @@ file shorter than its record is never sent as if whole.
 
 from __future__ import annotations
 
+import http.client
 import os
+import socket
 import tempfile
+import threading
+import time
 import zlib
 
 import pytest
@@ -18,10 +22,10 @@ from conftest import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
 from faultproxy import FaultProxy
 
 from ckptfs.checksum import b64_crc32
-from ckptfs.errors import S3Error, UploadError
+from ckptfs.errors import LocalWriteError, S3Error, UploadError
 from ckptfs.retry import RetryPolicy
 from ckptfs.s3 import S3Client, make_boto_client
-from ckptfs.zerocopy import SendfileSender
+from ckptfs.zerocopy import SendfileSender, receive_into_files
 
 MiB = 1024 * 1024
 
@@ -110,3 +114,134 @@ def test_a_staged_file_shorter_than_its_record_is_never_sent(s3_server: S3Server
                 await c.put_file(key, f.fileno(), 2 * MiB, {})
     trio.run(main)
     assert "Contents" not in s3.list_objects_v2(Bucket=BUCKET, Prefix=key)
+
+
+# ----- receiving: GET bodies spliced into files --------------------------------------
+
+class _Server:
+    """A one-connection HTTP/1.1 server whose answers the test writes: keep-alive, so a
+    second request on the same connection shows the first body was read exactly."""
+
+    def __init__(self, answers: list) -> None:
+        self.answers = answers  # (headers, body, then: "close" | "stall" | None) per request
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            reader = conn.makefile("rb")
+            for headers, body, then in self.answers:
+                while reader.readline() not in (b"\r\n", b""):
+                    pass  # the request: a GET without a body
+                conn.sendall(b"HTTP/1.1 200 OK\r\n" + headers + b"\r\n" + body)
+                if then == "stall":
+                    time.sleep(3)
+                if then:
+                    return
+
+    def get(self, timeout: float = 5) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        conn.request("GET", "/")
+        return conn, conn.getresponse()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _files(tmp_path, n: int) -> list[int]:
+    return [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT | os.O_TRUNC) for i in range(n)]
+
+
+def _length(n: int) -> bytes:
+    return f"Content-Length: {n}\r\n".encode()
+
+
+def test_a_body_is_spliced_into_its_files_and_the_connection_stays_usable(tmp_path) -> None:
+    body, second = os.urandom(3 * MiB + 5), b"the next answer"
+    server = _Server([(_length(len(body)), body, None), (_length(len(second)), second, None)])
+    try:
+        conn, response = server.get()
+        fds = _files(tmp_path, 3)
+        filled: list[int] = []
+        spliced = receive_into_files(response, [(fds[0], MiB), (fds[1], 2 * MiB), (fds[2], 5)],
+                                     filled.append)
+        assert filled == [0, 1, 2]
+        # What arrived with the headers went through the response's buffer, the rest spliced.
+        assert len(body) - 64 * 1024 < spliced < len(body)
+        assert [os.pread(fd, 3 * MiB, 0) for fd in fds] == [body[:MiB], body[MiB:3 * MiB], body[-5:]]
+        assert response.length == 0
+        response.close()
+        # The same connection carries the next request: no byte of the first body is left.
+        conn.request("GET", "/")
+        assert conn.getresponse().read() == second
+        sock = conn.sock
+        assert sock is not None and not os.get_blocking(sock.fileno()) and sock.gettimeout() == 5
+        conn.close()
+    finally:
+        server.close()
+
+
+def test_a_body_cut_short_or_stalled_is_a_fault_of_the_connection(tmp_path) -> None:
+    body = os.urandom(2 * MiB)
+    server = _Server([(_length(len(body)), body[:MiB], "close")])
+    try:
+        _, response = server.get()
+        with pytest.raises(http.client.IncompleteRead):
+            receive_into_files(response, [(fd, MiB) for fd in _files(tmp_path, 2)])
+    finally:
+        server.close()
+    server = _Server([(_length(len(body)), body[:MiB], "stall")])
+    try:
+        _, response = server.get(timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            receive_into_files(response, [(fd, MiB) for fd in _files(tmp_path, 2)])
+        assert time.monotonic() - started < 2.5  # the socket's timeout held in the splice
+    finally:
+        server.close()
+
+
+def test_a_chunked_body_goes_through_a_buffer_and_a_bad_file_is_a_local_error(tmp_path) -> None:
+    body = os.urandom(300 * 1024)
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece)
+                       for piece in (body[:100_000], body[100_000:])) + b"0\r\n\r\n"
+    server = _Server([(b"Transfer-Encoding: chunked\r\n", chunked, None)])
+    try:
+        _, response = server.get()
+        (fd,) = _files(tmp_path, 1)
+        assert receive_into_files(response, [(fd, len(body))]) == 0
+        assert os.pread(fd, len(body) + 1, 0) == body
+    finally:
+        server.close()
+    server = _Server([(_length(len(body)), body, None)])
+    try:
+        _, response = server.get()
+        read_only = os.open(tmp_path / "f0", os.O_RDONLY)
+        with pytest.raises(LocalWriteError):
+            receive_into_files(response, [(read_only, len(body))])
+    finally:
+        server.close()
+
+
+def test_ranged_gets_land_in_files_from_the_real_server(s3_server: S3Server, s3, prefix: str,
+                                                       credentials: None, tmp_path) -> None:
+    data = os.urandom(20 * MiB + 123)
+    key = f"{prefix}/ranged.bin"
+    s3.put_object(Bucket=BUCKET, Key=key, Body=data)
+    c, _ = client(s3_server.endpoint)
+
+    async def main() -> None:
+        for _ in range(3):  # the pooled connection is reused after each body
+            fds = _files(tmp_path, 3)
+            lengths = [8 * MiB, 8 * MiB, 4 * MiB + 23]
+            got: list[int] = []
+            spliced = await c.get_ranges_to_files(key, 100, list(zip(fds, lengths)), None, got.append)
+            assert got == [0, 1, 2] and spliced > 20 * MiB - 64 * 1024
+            assert b"".join(os.pread(fd, 8 * MiB, 0) for fd in fds) == data[100:]
+            for fd in fds:
+                os.close(fd)
+        assert await c.get_range(key, 0, 10) == data[:10]
+    trio.run(main)
