@@ -104,11 +104,11 @@ class Config:
     part_size: int = 16 * MiB
     concurrency: int = 8
     cache_size: int = 8 * GiB
-    # Request bodies read from staged files, and read chunks, held in memory at once. Reads
-    # need room for the readahead window (16 chunks of 8 MiB) and the chunks on their way to
-    # the disk cache: at 96 MiB a cold read took 1.3x as long (bench/read_bench.py).
+    # Request bodies read from staged files, and read chunks, held in memory at once. Chunks
+    # fetched for reads are received into the disk cache's files (prefetch.py); the read
+    # buffers serve only a cache smaller than 1 GiB or one whose disk is full.
     upload_memory: int = 48 * MiB
-    read_memory: int = 192 * MiB
+    read_memory: int = 48 * MiB
     foreground: bool = False
     allow_other: bool = False
     read_only: bool = False

@@ -4,15 +4,19 @@ A read of a clean object is answered chunk by chunk (8 MiB). A chunk on disk her
 object in the read cache, a file written on this host and adopted after its upload, or the
 chunk's own cache file) is answered with a view of a mapping of just the bytes asked for,
 so pyfuse3's copy into the kernel is the only one (a pread into a new bytes object cost a
-copy and page faults more; LocalView). A chunk that is not is fetched from S3 into one of
-a fixed pool of page-aligned buffers, by a ranged GET received straight into the buffer
-(no bytes object to fault in and zero), and served as memoryviews of it (no slicing
-copies). Readahead fetches up to four consecutive chunks with one GET into four buffers,
-each usable as soon as it is full: a quarter of the requests, which costs the client and the
-server less CPU per byte (and S3 users fewer request charges). A fetched chunk is then
-written to the disk cache with O_DIRECT where the file system allows it, so neither the CPU
-nor the page cache copies it again. On a small machine memory bandwidth is what a read
-costs, so this path counts copies.
+copy and page faults more; LocalView). A chunk that is not is fetched from S3 by a ranged
+GET received straight into a new chunk file of the disk cache (over plain HTTP the kernel
+splices the body from the socket into the file's page cache: one copy, and no buffer of this
+process holds the bytes), published as soon as it is whole, and then read like any chunk on
+disk. Readahead fetches up to four consecutive chunks with one GET into four files, each
+usable as soon as it is full: a quarter of the requests, which costs the client and the
+server less CPU per byte (and S3 users fewer request charges). On a small machine memory
+bandwidth is what a read costs, so this path counts copies.
+
+Where the disk cache cannot take chunks (smaller than 1 GiB, or its disk refused a write:
+then for 10 s) they go into a fixed pool of page-aligned buffers instead (`--read-memory`),
+received straight into the buffer, served as memoryviews of it, and then written to the
+disk cache with O_DIRECT where the file system allows it.
 
 A chunk is fetched at most once at a time (other readers wait on the same fetch). Each
 handle keeps its own stream state: a handle that keeps reading sequentially gets a
@@ -21,10 +25,11 @@ ahead of it (the Mountpoint-s3 pattern): those on disk are advised into the page
 the others fetched in parallel. A random read (torch.load's zip directory at the tail, DCP
 slices) touches just its chunks and resets only its own handle's window.
 
-Readahead takes only buffers that are free or hold chunks nobody is using, and evicts chunks
-already read before readahead not yet read; a demand read waits for a buffer. A buffer is
-never reused while a reader or a cache write holds its chunk, and no reader holds one chunk
-while it waits for another, so the pool cannot deadlock.
+Readahead takes only buffers that are free or hold chunks nobody is using (or one of the
+slots for chunks being received into files), and evicts chunks already read before
+readahead not yet read; a demand read waits for a buffer or a slot. A buffer is never
+reused while a reader or a cache write holds its chunk, and no reader holds one chunk while
+it waits for another, so the pool cannot deadlock.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ckptfs.cache import ObjectCache
-from ckptfs.errors import S3Error
+from ckptfs.errors import LocalWriteError, S3Error
 from ckptfs.parts import MiB
 from ckptfs.s3types import S3
 
@@ -87,6 +92,7 @@ def store_file(tmp: str, buf: mmap.mmap, length: int) -> None:
 
 _MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in for reading, without touching it
 _LOCAL_READAHEAD = 16 * MiB  # advised after a read that found its pages not in memory
+_FILES_BACKOFF = 10.0  # seconds reads use buffers after a chunk file could not be written
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
 _LOW_BIT = bytes(b & 1 for b in range(256))
@@ -144,7 +150,7 @@ class LocalView:
 @dataclass(eq=False)
 class _Chunk:
     cid: ChunkId
-    buf: mmap.mmap
+    buf: mmap.mmap | None  # None: received into its file in the disk cache
     ready: trio.Event = field(default_factory=trio.Event)
     length: int = 0
     error: BaseException | None = None
@@ -181,8 +187,8 @@ class ReadStream:
 
 class ChunkReader:
     def __init__(self, s3: S3, cache: ObjectCache | None = None, chunk_size: int = 8 * MiB,
-                 memory_budget: int = 192 * MiB, max_window: int = 16, get_chunks: int = 4, *,
-                 nursery: trio.Nursery) -> None:
+                 memory_budget: int = 48 * MiB, max_window: int = 16, get_chunks: int = 4, *,
+                 nursery: trio.Nursery, into_files: bool = True) -> None:
         assert chunk_size % _ALIGN == 0
         self.s3 = s3
         self.cache = cache
@@ -191,6 +197,14 @@ class ChunkReader:
         self.get_chunks = get_chunks  # readahead fetches up to this many chunks with one GET
         self.readahead = True  # off after a spot notice: the bandwidth goes to uploads
         self._slots = max(2, memory_budget // chunk_size)
+        # With a disk cache big enough not to evict a window's chunks before they are read,
+        # chunks are received into its files (spliced from the socket over plain HTTP) and
+        # read from there: no buffer of this process holds them. The pool serves the rest.
+        self._file_slots = 2 * max_window  # chunks being received into files at once
+        self.to_files = (into_files and cache is not None
+                         and cache.budget >= 4 * self._file_slots * chunk_size)
+        self._receiving = 0
+        self._files_failed_at = -_FILES_BACKOFF  # trio time a chunk file last could not be written
         self._buffers = 0  # allocated so far (lazily: an idle mount holds none)
         self._free: list[mmap.mmap] = []
         self._chunks: OrderedDict[ChunkId, _Chunk] = OrderedDict()  # loading or loaded, LRU
@@ -207,10 +221,12 @@ class ChunkReader:
         self.disk_hits = 0  # reads served from the disk cache
         self.misses = 0  # chunks fetched from S3
         self.bytes_downloaded = 0
+        self.bytes_spliced = 0  # of those, received into the disk cache by splice(2)
         self.gets = 0
 
     def stats(self) -> dict[str, int]:
-        return {"bytes_downloaded": self.bytes_downloaded, "chunk_cache_hits": self.hits,
+        return {"bytes_downloaded": self.bytes_downloaded, "bytes_spliced": self.bytes_spliced,
+                "chunk_cache_hits": self.hits,
                 "chunk_cache_misses": self.misses, "chunk_disk_hits": self.disk_hits}
 
     async def read(self, key: str, etag: str, size: int, offset: int, length: int,
@@ -224,9 +240,23 @@ class ChunkReader:
             self._read_ahead(key, etag, size, last, stream)
         pieces: list[bytes] = []
         for k in range(first, last + 1):
-            cid = (key, etag, k)
             base = k * self.chunk_size
-            lo, hi = max(offset, base), min(end, base + self.chunk_size)
+            data = await self._read_chunk(key, etag, size, k, max(offset, base),
+                                          min(end, base + self.chunk_size))
+            if first == last:
+                # pyfuse3 replies from this view before any other task runs, so a buffer it
+                # points into cannot be reused under it.
+                return data
+            pieces.append(bytes(data))  # never hold one chunk while waiting for the next
+        return b"".join(pieces)
+
+    async def _read_chunk(self, key: str, etag: str, size: int, k: int, lo: int,
+                          hi: int) -> bytes | memoryview:
+        """Bytes [lo, hi) of the object, all in chunk k: from a local file if one holds the
+        chunk, else fetched (into the disk cache's file, else into a buffer)."""
+        cid = (key, etag, k)
+        base = k * self.chunk_size
+        for attempt in range(8):
             local = None
             if cid not in self._chunks and self.cache is not None:
                 local = self.cache.local_fd(key, etag, k, self.chunk_size, size)
@@ -238,21 +268,21 @@ class ChunkReader:
                 data = await self.read_local(fd, hi - lo, lo - file_base)
                 if len(data) != hi - lo:
                     raise OSError(errno.EIO, f"read cache entry of {key} is short")
-                if first == last:
-                    return data
-                pieces.append(data)
-                continue
-            chunk = await self._use(cid, size)
+                return data
             try:
-                view = memoryview(chunk.buf)[lo - base:hi - base]
-                if first == last:
-                    # pyfuse3 replies from this view before any other task runs, so the
-                    # buffer cannot be reused under it.
-                    return view
-                pieces.append(bytes(view))  # never hold one chunk while waiting for the next
+                # Into a file the first time; into a buffer if that file did not stay (a
+                # full cache disk, or evicted before this reader came).
+                chunk = await self._use(cid, size, to_file=attempt == 0)
+            except LocalWriteError:
+                continue
+            if chunk.buf is None:  # in the disk cache now: read it from there
+                self._unuse(chunk)
+                continue
+            try:
+                return memoryview(chunk.buf)[lo - base:hi - base]
             finally:
                 self._unuse(chunk)
-        return b"".join(pieces)
+        raise OSError(errno.EIO, f"chunk {k} of {key} was fetched but not kept")
 
     def _read_ahead(self, key: str, etag: str, size: int, last: int, stream: ReadStream) -> None:
         """Keep the stream's window ahead of `last` loading: chunks on disk here are advised
@@ -332,9 +362,17 @@ class ChunkReader:
 
     # ----- the buffer pool ---------------------------------------------------
 
-    def _claim(self, cid: ChunkId) -> _Chunk | None:
-        """A new chunk entry for `cid` in a buffer that is free, never used, or holds the least
-        recently used chunk nobody is using; None if every buffer is busy."""
+    def _claim(self, cid: ChunkId, to_file: bool = True) -> _Chunk | None:
+        """A new chunk entry for `cid`: one to receive into a file of the disk cache, or in a
+        buffer that is free, never used, or holds the least recently used chunk nobody is
+        using; None if every buffer (or every file slot) is busy."""
+        if (to_file and self.to_files
+                and trio.current_time() - self._files_failed_at >= _FILES_BACKOFF):
+            if self._receiving >= self._file_slots:
+                return None
+            self._receiving += 1
+            chunk = self._chunks[cid] = _Chunk(cid, None)
+            return chunk
         if self._free:
             buf = self._free.pop()
         elif self._buffers < self._slots:
@@ -356,10 +394,11 @@ class ChunkReader:
         if not chunk.users:
             self._released.set()
 
-    async def _use(self, cid: ChunkId, size: int) -> _Chunk:
-        """The loaded chunk `cid`, held for the caller until it calls _unuse."""
+    async def _use(self, cid: ChunkId, size: int, to_file: bool = True) -> _Chunk:
+        """The loaded chunk `cid`, held for the caller until it calls _unuse (a chunk received
+        into a file has no buffer: the caller reads the file)."""
         while (chunk := self._chunks.get(cid)) is None:
-            chunk = self._claim(cid)
+            chunk = self._claim(cid, to_file)
             if chunk is not None:
                 chunk.users += 1
                 await self._load([chunk], size)
@@ -384,6 +423,9 @@ class ChunkReader:
     async def _load(self, chunks: list[_Chunk], size: int) -> None:
         """Fetch consecutive chunks with one ranged GET, each buffer ready as soon as it is
         full; then write them to the disk cache."""
+        if chunks[0].buf is None:
+            await self._load_files(chunks, size)
+            return
         key, etag, first = chunks[0].cid
         start = first * self.chunk_size
         wants = [min((c.cid[2] + 1) * self.chunk_size, size) - c.cid[2] * self.chunk_size
@@ -425,6 +467,7 @@ class ChunkReader:
                 # Its waiters only look at the error: the buffer is free again.
                 if self._chunks.get(chunk.cid) is chunk:
                     del self._chunks[chunk.cid]
+                assert chunk.buf is not None
                 self._free.append(chunk.buf)
                 chunk.ready.set()
                 self._released.set()
@@ -433,21 +476,94 @@ class ChunkReader:
                 if chunk.error is None:
                     self._nursery.start_soon(self._keep, chunk)  # its readers need not wait
 
+    async def _load_files(self, chunks: list[_Chunk], size: int) -> None:
+        """Fetch consecutive chunks with one ranged GET into new files of the disk cache,
+        each published, and its waiters woken, as soon as it is whole."""
+        assert self.cache is not None
+        cache = self.cache
+        key, etag, first = chunks[0].cid
+        wants = [min((c.cid[2] + 1) * self.chunk_size, size) - c.cid[2] * self.chunk_size
+                 for c in chunks]
+        token = trio.lowlevel.current_trio_token()
+        files: list[tuple[str, str, int]] = []  # name, temp path, descriptor
+        full = [False] * len(chunks)
+        error: BaseException | None = None
+
+        def settle(i: int) -> None:  # on the trio thread
+            chunk = chunks[i]
+            if chunk.ready.is_set():
+                return
+            name, tmp, fd = files[i]
+            os.close(fd)
+            if full[i]:
+                chunk.length = wants[i]
+                self.bytes_downloaded += wants[i]
+                try:
+                    cache.commit_chunk(key, etag, name, tmp, wants[i])
+                except OSError as exc:  # its readers fetch it again, into a buffer
+                    log.debug("could not cache chunk %d of %s: %s", chunk.cid[2], key, exc)
+                    _unlink(tmp)
+            else:
+                _unlink(tmp)
+                chunk.error = error or S3Error(f"load of {key} chunk {chunk.cid[2]} was cancelled")
+            if self._chunks.get(chunk.cid) is chunk:
+                del self._chunks[chunk.cid]  # readers find it in the disk cache now
+            self._receiving -= 1
+            chunk.ready.set()
+            self._released.set()
+
+        def filled(i: int) -> None:  # in the GET's worker thread
+            full[i] = True
+            token.run_sync_soon(settle, i)
+
+        try:
+            for chunk in chunks:
+                name, tmp = cache.chunk_tmp(key, etag, chunk.cid[2])
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                except OSError as exc:
+                    raise LocalWriteError(exc.errno, exc.strerror) from None
+                files.append((name, tmp, fd))
+            self.misses += len(chunks)
+            self.gets += 1
+            spliced = await self.s3.get_ranges_to_files(
+                key, first * self.chunk_size, [(fd, want) for (_, _, fd), want in zip(files, wants)],
+                etag, filled)
+            self.bytes_spliced += spliced  # (not `+= await`: that adds to a stale value)
+        except Exception as exc:  # handed to every waiter; readahead failures are only logged
+            error = exc
+            if isinstance(exc, LocalWriteError):  # a full cache disk: buffers for a while
+                self._files_failed_at = trio.current_time()
+                log.warning("read cache: cannot write chunks of %s (%s); reads use memory "
+                            "buffers for %d s", key, exc, _FILES_BACKOFF)
+            else:
+                log.debug("load of %s chunks %d-%d failed: %s", key, first,
+                          first + len(chunks) - 1, exc)
+        finally:
+            for i, chunk in enumerate(chunks):
+                if i < len(files):
+                    settle(i)
+                elif not chunk.ready.is_set():
+                    chunk.error = error or S3Error(f"load of {key} chunk {chunk.cid[2]} was cancelled")
+                    if self._chunks.get(chunk.cid) is chunk:
+                        del self._chunks[chunk.cid]
+                    self._receiving -= 1
+                    chunk.ready.set()
+                    self._released.set()
+
     async def _keep(self, chunk: _Chunk) -> None:
         """Write a fetched chunk to the disk cache, then let go of its buffer."""
         assert self.cache is not None
         key, etag, k = chunk.cid
         name, tmp = self.cache.chunk_tmp(key, etag, k)
+        assert chunk.buf is not None
         try:
             await trio.to_thread.run_sync(store_file, tmp, chunk.buf, chunk.length,
                                           limiter=self._local_reads)
             self.cache.commit_chunk(key, etag, name, tmp, chunk.length)
         except OSError as exc:  # a full cache disk only costs a later GET
             log.debug("could not cache chunk %d of %s: %s", k, key, exc)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink(tmp)
         finally:
             self._unuse(chunk)
             self._writes -= 1
@@ -462,3 +578,10 @@ class ChunkReader:
                 if self._written.is_set():
                     self._written = trio.Event()
                 await self._written.wait()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

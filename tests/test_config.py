@@ -55,7 +55,7 @@ def test_endpoint_from_environment(monkeypatch) -> None:
 
 def test_memory_budgets() -> None:
     config = Config("s3://bucket", "/mnt", upload_memory=96 * 1024**2).validate()
-    assert config.upload_memory == 96 * 1024**2 and config.read_memory == 192 * 1024**2
+    assert config.upload_memory == 96 * 1024**2 and config.read_memory == 48 * 1024**2
     with pytest.raises(ConfigError, match="--upload-memory must be at least 5MiB"):
         Config("s3://bucket", "/mnt", upload_memory=1024).validate()
     with pytest.raises(ConfigError, match="--read-memory must be at least 16MiB"):

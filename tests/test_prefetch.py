@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from ckptfs.cache import ObjectCache
-from ckptfs.errors import S3Error
+from ckptfs.errors import LocalWriteError, S3Error
 from ckptfs.prefetch import ChunkReader, LocalView, ReadStream, store_file
 from ckptfs.s3 import _read_body_into
 
@@ -36,6 +36,8 @@ class SlowS3:
         self.hold: trio.Event | None = None  # set: multi-chunk GETs wait here after their first buffer
         self.fail_after_first = False  # multi-chunk GETs fail after their first buffer
         self.failed = 0
+        self.full_disk = False  # GETs into files fail as on a full cache disk
+        self.file_gets = 0
 
     async def get_range_into(self, key: str, start: int, buf, length: int, etag=None) -> None:
         await self.get_ranges_into(key, start, [memoryview(buf)[:length]], etag)
@@ -56,12 +58,28 @@ class SlowS3:
                 await trio.sleep(0.01)  # let the loop run ready() first, as a thread would
                 await self.hold.wait()
 
+    async def get_ranges_to_files(self, key: str, start: int, targets, etag=None, filled=None) -> int:
+        self.file_gets += 1
+        if self.full_disk:
+            raise LocalWriteError(errno.ENOSPC, "No space left on device")
+        bufs = [bytearray(n) for _, n in targets]
 
-async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_right_bytes(tmp_path: Path) -> None:
+        def written(i: int) -> None:
+            os.pwrite(targets[i][0], bufs[i], 0)
+            if filled is not None:
+                filled(i)
+        await self.get_ranges_into(key, start, [memoryview(b) for b in bufs], etag, written)
+        return 0
+
+
+@pytest.mark.parametrize("into_files", [False, True], ids=["buffers", "files"])
+async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_right_bytes(
+        tmp_path: Path, into_files: bool) -> None:
     objects = {f"shard{i}": content(f"shard{i}", 20 * CHUNK + 123) for i in range(8)}
     s3 = SlowS3(objects)
-    # Two buffers for eight sequential readers with windows of up to eight chunks each, and
-    # random readers besides: demand reads must wait for buffers, never deadlock.
+    # Two buffers (or 16 chunks received into files at once) for eight sequential readers
+    # with windows of up to eight chunks each, and random readers besides: demand reads
+    # must wait for a buffer or a slot, never deadlock.
     reader: ChunkReader
 
     async def sequential(key: str) -> None:
@@ -80,7 +98,8 @@ async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_righ
         async with trio.open_nursery() as nursery:
             reader = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30),  # type: ignore[arg-type]
                                  chunk_size=CHUNK, memory_budget=2 * CHUNK, max_window=8,
-                                 nursery=nursery)
+                                 nursery=nursery, into_files=into_files)
+            assert reader.to_files == into_files
             for key in objects:
                 nursery.start_soon(sequential, key)
             for key in list(objects)[:3]:
@@ -89,7 +108,8 @@ async def test_many_readers_share_a_pool_smaller_than_their_windows_and_get_righ
                 await trio.sleep(0.01)
             await trio.sleep(0.5)
             nursery.cancel_scope.cancel()
-    assert reader._buffers == 2
+    assert reader._buffers == (0 if into_files else 2)
+    assert reader._receiving == 0
 
 
 async def test_readahead_fetches_runs_of_chunks_with_one_get_each(tmp_path: Path) -> None:
@@ -145,6 +165,26 @@ async def test_a_run_that_fails_midway_keeps_its_full_chunks_and_refetches_the_r
     # were fetched again by the reader, one GET each.
     assert sorted(p.stat().st_size for p in (tmp_path / "cache").iterdir()) == [CHUNK] * 12
     assert s3.failed >= 2 and s3.chunks == 12  # no chunk fetched twice
+
+
+async def test_chunks_that_cannot_be_written_to_the_cache_disk_are_read_through_buffers(
+        tmp_path: Path) -> None:
+    data = content("k", 6 * CHUNK + 7)
+    s3 = SlowS3({"k": data})
+    s3.full_disk = True
+    got, stream = [], ReadStream()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            reader = ChunkReader(s3, ObjectCache(str(tmp_path), 1 << 30), chunk_size=CHUNK,  # type: ignore[arg-type]
+                                 memory_budget=4 * CHUNK, max_window=8, nursery=nursery)
+            assert reader.to_files
+            for off in range(0, len(data), 16 * KiB):
+                got.append(bytes(await reader.read("k", "e", len(data), off, 16 * KiB, stream)))
+    assert b"".join(got) == data
+    # One GET into files failed; the reads went on through the buffer pool, and for a while
+    # nothing more was sent to the full disk.
+    assert s3.file_gets == 1 and reader._buffers > 0
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.endswith(".tmp")]
 
 
 async def test_fetched_chunks_are_kept_on_disk_and_served_from_there(tmp_path: Path) -> None:

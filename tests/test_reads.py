@@ -134,6 +134,31 @@ def test_cold_reads_fetch_each_chunk_once_and_warm_reads_none(proxied, s3, prefi
     assert proxy.counts["GET"] == 0, proxy.counts
 
 
+def _peak_rss(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_cold_read_goes_into_the_disk_cache_and_not_through_daemon_memory(mounter, s3, prefix: str) -> None:
+    data = os.urandom(200 * MiB + 5)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/big.pt", Body=data)
+    mnt = mounter()
+    pid = json.loads(run_ckptfs("status", "--json", str(mnt.path)).stdout)["pid"]
+    before = _peak_rss(pid)
+    with open(mnt.path / "big.pt", "rb") as f:
+        assert f.read() == data
+    grew = _peak_rss(pid) - before
+    status = json.loads(run_ckptfs("status", "--json", str(mnt.path)).stdout)
+    # Over plain HTTP the kernel spliced the bodies into the cache's files (all but what came
+    # in with each GET's headers), and the reads were answered from there: the daemon's peak
+    # memory grew by a few buffers, not by a readahead window of chunks (192 MiB before).
+    assert grew < 48 * MiB, f"peak RSS grew by {grew / MiB:.0f} MiB"
+    assert status["bytes_downloaded"] == len(data)
+    assert status["bytes_spliced"] > len(data) - status["chunk_cache_misses"] * 64 * 1024
+
+
 def test_random_reads_fetch_what_they_touch(proxied, s3, prefix: str) -> None:
     proxy, mounter = proxied
     data = os.urandom(64 * MiB)
