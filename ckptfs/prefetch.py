@@ -505,6 +505,10 @@ class ChunkReader:
                     _unlink(tmp)
             else:
                 _unlink(tmp)
+            release(chunk, full[i])
+
+        def release(chunk: _Chunk, whole: bool) -> None:
+            if not whole:  # its waiters only look at the error
                 chunk.error = error or S3Error(f"load of {key} chunk {chunk.cid[2]} was cancelled")
             if self._chunks.get(chunk.cid) is chunk:
                 del self._chunks[chunk.cid]  # readers find it in the disk cache now
@@ -544,12 +548,7 @@ class ChunkReader:
                 if i < len(files):
                     settle(i)
                 elif not chunk.ready.is_set():
-                    chunk.error = error or S3Error(f"load of {key} chunk {chunk.cid[2]} was cancelled")
-                    if self._chunks.get(chunk.cid) is chunk:
-                        del self._chunks[chunk.cid]
-                    self._receiving -= 1
-                    chunk.ready.set()
-                    self._released.set()
+                    release(chunk, False)  # its file was never opened
 
     async def _keep(self, chunk: _Chunk) -> None:
         """Write a fetched chunk to the disk cache, then let go of its buffer."""
