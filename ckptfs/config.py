@@ -12,8 +12,6 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-import botocore.utils
-
 from ckptfs.errors import ConfigError
 from ckptfs.parts import MAX_PART_SIZE, MIN_PART_SIZE, GiB, MiB
 
@@ -156,6 +154,9 @@ class Config:
             raise ConfigError("--metadata-ttl must be between 0 and 86400 seconds")
         if not self.spot_poll_interval > 0:
             raise ConfigError("--spot-poll-interval must be a positive number of seconds")
+        # Here, not at the top: `ckptfs sync` and `status` never validate a Config, and
+        # importing botocore was 60 of their 120 ms.
+        import botocore.utils
         if (not re.match(r"^https?://[^/\s]+/?$", self.imds_endpoint)
                 or not botocore.utils.is_valid_uri(self.imds_endpoint)):
             raise ConfigError(f"invalid --imds-endpoint {self.imds_endpoint!r}: "

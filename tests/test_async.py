@@ -7,6 +7,7 @@ import os
 import pty
 import re
 import subprocess
+import sys
 
 from conftest import BUCKET, Mounter, ckptfs_cmd, client_env, run_ckptfs, s3_bytes, s3_keys
 
@@ -31,6 +32,25 @@ def test_async_close_then_sync_puts_everything_in_s3(mounter: Mounter, s3, prefi
     assert r.returncode == 0, r.stderr
     assert s3_bytes(s3, f"{prefix}/other/x") == b"x"
     assert (mnt.path / "step_1" / "shard_3.pt").read_bytes() == files["step_1/shard_3.pt"]
+
+
+def test_sync_and_status_do_not_load_the_s3_client(mounter: Mounter, s3, prefix: str) -> None:
+    """`ckptfs sync` runs in training loops, and only talks to the daemon: it must not pay for
+    importing botocore (half of its 0.12 s on an idle mount) or trio."""
+    mnt = mounter("--durability", "async")
+    (mnt.path / "a.pt").write_bytes(b"abc")
+    code = ("import sys\n"
+            "from ckptfs.cli import main\n"
+            "import contextlib, io\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    rc = main(['sync', sys.argv[1]]) or main(['status', sys.argv[1]])\n"
+            "heavy = {'boto3', 'botocore', 'urllib3', 'trio', 'pyfuse3'}\n"
+            "print(rc, sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(mnt.path)], capture_output=True, text=True,
+                       timeout=120, env=client_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[-2] == "0 []"
+    assert s3_bytes(s3, f"{prefix}/a.pt") == b"abc"
 
 
 def test_unmount_uploads_everything_first(mounter: Mounter, s3, prefix: str) -> None:
