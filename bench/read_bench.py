@@ -58,7 +58,7 @@ class ReadBench:
         self.work, self.server = work, server
         self.bucket = server.bucket
         self.s3 = server.client()
-        self.env = devserver.client_env(server.endpoint)
+        self.env = devserver.client_env(server.endpoint, server.ca_bundle)
         self.samples: dict[tuple[str, str, int], list[float]] = {}
         self.notes: dict[tuple[str, str], list[str]] = {}
         self.daemon: dict[tuple[str, str], list[tuple[float, int]]] = {}  # (CPU s, peak RSS) per round
@@ -162,17 +162,19 @@ def main() -> int:
     ap.add_argument("--objects", type=int, default=10000, help="objects in the ls -l directory (0: skip)")
     ap.add_argument("--rounds", type=int, default=3, help="times each row is measured (median reported)")
     ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--tls", action="store_true",
+                    help="S3 over HTTPS (TLS in user space, as on AWS); the peers are not run")
     ap.add_argument("--work", default="/var/tmp")
     ap.add_argument("--ckptfs-args", default="", help='more options for ckptfs mount, e.g. "--read-memory 64MiB"')
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    args.skip_peers = args.skip_peers or args.tls
     if not args.skip_peers and any(shutil.which(t) is None for t in ("s3fs", "rclone")):
         print("bench: install the peers first: apt-get install s3fs rclone", file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="ckptfs-rbench-", dir=args.work)
-    server = devserver.start(os.path.join(work, "s3"), bucket="bench")
-    write_bench.SERVER_PID = server.proc.pid  # drop_caches() waits for it to go idle
+    server = write_bench.start_server(work, args.tls)  # drop_caches() waits for it to go idle
     b = ReadBench(work, server)
     b.ckptfs_args = shlex.split(args.ckptfs_args)
     size = int(args.gib * GiB)
@@ -279,7 +281,7 @@ def main() -> int:
 
 def report(rows: list[Row], cold_cpu: list[float] | None = None) -> str:
     lines = [f"ckptfs read benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()}: {os.cpu_count()} cores, "
-             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, SeaweedFS on loopback",
+             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, {write_bench.SERVER_NOTE}",
              "", "| workload | method | seconds | MiB/s | notes |", "|---|---|---:|---:|---|"]
     for r in rows:
         rate = f"{r.mib_s:.0f}" if r.size else ""

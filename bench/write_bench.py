@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import os
 import platform
 import shlex
@@ -77,6 +78,7 @@ class Row:
 # otherwise be timed, and counted in CPU per GiB, in the next (seen: the sink row at 2.4
 # CPU s/GiB right after eight parallel uploads, 0.55 on its own).
 SERVER_PID: int | None = None
+SERVER_NOTE = "SeaweedFS on loopback"
 
 
 def server_idle(limit: float = 60.0) -> None:
@@ -183,12 +185,27 @@ def rclone_env(server: devserver.DevServer, env: dict) -> dict:
                 RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY=devserver.SECRET_KEY)
 
 
+def start_server(work: str, tls: bool = False) -> devserver.DevServer:
+    """The bench's SeaweedFS. With `tls`, everything the bench and ckptfs send goes to its
+    HTTPS port, verified with its own certificate (AWS_CA_BUNDLE, read by every boto3 client
+    of this process and of the daemons): TLS runs in the clients' user space, as on AWS."""
+    server = devserver.start(os.path.join(work, "s3"), bucket="bench", tls=tls)
+    if tls:
+        assert server.https_endpoint and server.ca_bundle
+        os.environ["AWS_CA_BUNDLE"] = server.ca_bundle
+        server = dataclasses.replace(server, endpoint=server.https_endpoint)
+    global SERVER_PID, SERVER_NOTE
+    SERVER_PID = server.proc.pid
+    SERVER_NOTE = "SeaweedFS on loopback" + (" over HTTPS" if tls else "")
+    return server
+
+
 class Bench:
     def __init__(self, work: str, server: devserver.DevServer) -> None:
         self.work = work
         self.server = server
         self.s3 = server.client()
-        self.env = devserver.client_env(server.endpoint)
+        self.env = devserver.client_env(server.endpoint, server.ca_bundle)
         self.rows: list[Row] = []
         self.daemon_stats: dict[str, str] = {}
         self.ckptfs_args: list[str] = []
@@ -527,7 +544,7 @@ def report(bench: Bench) -> str:
     within a round (same run) and then given as the median over rounds, with the range."""
     lines = [f"ckptfs write benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()}: "
              f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB, "
-             "SeaweedFS on loopback", ""]
+             f"{SERVER_NOTE}", ""]
     lines.append("| workload | method | seconds | MiB/s | notes |")
     lines.append("|---|---|---:|---:|---|")
     order = {w: i for i, w in enumerate(dict.fromkeys(r.workload for r in bench.rows))}
@@ -647,11 +664,14 @@ def main() -> int:
     ap.add_argument("--writers", type=int, default=8, help="ranks writing at once (0: skip)")
     ap.add_argument("--writer-mib", type=int, default=128, help="MiB each rank writes")
     ap.add_argument("--ckptfs-args", default="", help='more options for ckptfs mount, e.g. "--concurrency 16"')
+    ap.add_argument("--tls", action="store_true",
+                    help="S3 over HTTPS (TLS in user space, as on AWS); the peers are not run")
     ap.add_argument("--rounds", type=int, default=1,
                     help="times every row is measured, in turn (the report gives medians)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    args.skip_peers = args.skip_peers or args.tls
     if not args.skip_peers:
         missing = [t for t in ("s3fs", "rclone") if shutil.which(t) is None]
         if missing:
@@ -659,9 +679,7 @@ def main() -> int:
             return 2
     _stop_on_sigterm()
     work = tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.work)
-    server = devserver.start(os.path.join(work, "s3"), bucket="bench")
-    global SERVER_PID
-    SERVER_PID = server.proc.pid
+    server = start_server(work, args.tls)
     bench = Bench(work, server)
     bench.ckptfs_args = shlex.split(args.ckptfs_args)
     try:

@@ -40,8 +40,9 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def client_env(endpoint: str | None = None) -> dict[str, str]:
-    """The environment for anything that talks to the dev server (and never to IMDS)."""
+def client_env(endpoint: str | None = None, ca_bundle: str | None = None) -> dict[str, str]:
+    """The environment for anything that talks to the dev server (and never to IMDS).
+    `ca_bundle`: the certificate an HTTPS endpoint is verified with (DevServer.ca_bundle)."""
     env = dict(os.environ)
     env.pop("AWS_CA_BUNDLE", None)
     env.pop("AWS_PROFILE", None)
@@ -49,6 +50,8 @@ def client_env(endpoint: str | None = None) -> dict[str, str]:
                AWS_EC2_METADATA_DISABLED="true", AWS_DEFAULT_REGION="us-east-1")
     if endpoint:
         env["AWS_ENDPOINT_URL"] = endpoint
+    if ca_bundle:
+        env["AWS_CA_BUNDLE"] = ca_bundle
     return env
 
 
@@ -67,6 +70,10 @@ class DevServer:
     log_path: str
     bucket: str
     args: tuple[str, ...] = ()
+    # With start(tls=True): the same server over HTTPS (TLS in the client's user space, as
+    # with AWS), and the self-signed certificate that verifies it.
+    https_endpoint: str | None = None
+    ca_bundle: str | None = None
 
     def client(self):
         import boto3
@@ -138,12 +145,24 @@ def restart(server: DevServer) -> None:
     server.wait_ready()
 
 
-def start(data_dir: str, bucket: str = DEFAULT_BUCKET) -> DevServer:
-    """Start `weed mini` with every one of its services on a free loopback port."""
+def _self_signed(data_dir: str) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, made with the openssl command."""
+    cert, key = os.path.join(data_dir, "tls-cert.pem"), os.path.join(data_dir, "tls-key.pem")
+    if shutil.which("openssl") is None:
+        raise RuntimeError("an HTTPS dev server needs the openssl command (apt-get install openssl)")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", key, "-out", cert, "-days", "30", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+def start(data_dir: str, bucket: str = DEFAULT_BUCKET, tls: bool = False) -> DevServer:
+    """Start `weed mini` with every one of its services on a free loopback port. With `tls`,
+    S3 is also served over HTTPS (`https_endpoint`, verified with `ca_bundle`)."""
     if not _BUCKET_NAME.fullmatch(bucket):
         raise ValueError(f"{bucket!r} is not an S3 bucket name (3-63 characters: a-z, 0-9, '.', '-')")
     (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin,
-     admin_grpc, iceberg, lance) = free_ports(12)
+     admin_grpc, iceberg, lance, s3_https) = free_ports(13)
     args = [
         weed_binary(), "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-bucket={bucket}", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
@@ -155,9 +174,14 @@ def start(data_dir: str, bucket: str = DEFAULT_BUCKET) -> DevServer:
         "-webdav=false", "-master.telemetry=false",
     ]
     os.makedirs(data_dir, exist_ok=True)
+    cert = None
+    if tls:
+        cert, key = _self_signed(data_dir)
+        args += [f"-s3.cert.file={cert}", f"-s3.key.file={key}", f"-s3.port.https={s3_https}"]
     log_path = os.path.join(data_dir, "weed.log")
     proc = _spawn(args, data_dir, log_path)
-    server = DevServer(f"http://127.0.0.1:{s3}", proc, data_dir, log_path, bucket, tuple(args))
+    server = DevServer(f"http://127.0.0.1:{s3}", proc, data_dir, log_path, bucket, tuple(args),
+                       f"https://127.0.0.1:{s3_https}" if tls else None, cert)
     try:
         server.wait_ready()
     except BaseException:

@@ -32,7 +32,7 @@ S3Server = devserver.DevServer
 # `-m pjdfstest` (the POSIX suite in real mounts: minutes). A test's tier comes from the
 # fixtures it uses; modules that mount through helpers say so themselves.
 TIERS = ("unit", "component", "mount", "pjdfstest")
-_MOUNT_FIXTURES = {"mounter", "mnt", "proxied"}
+_MOUNT_FIXTURES = {"mounter", "mnt", "proxied", "tls_mounter"}
 _SERVER_FIXTURES = {"s3_server", "s3"}
 
 
@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def s3_server() -> Iterator[S3Server]:
     data_dir = tempfile.mkdtemp(prefix="ckptfs-weed-")
     try:
-        server = devserver.start(data_dir)
+        server = devserver.start(data_dir, tls=True)  # HTTPS too, on its own port
     except RuntimeError as exc:
         pytest.fail(str(exc))
     try:
@@ -81,9 +81,10 @@ def ckptfs_cmd(*args: str) -> list[str]:
 
 
 def run_ckptfs(*args: str, endpoint: str | None = None, timeout: float = 120,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+               env: dict[str, str] | None = None,
+               ca_bundle: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(ckptfs_cmd(*args), capture_output=True, text=True, timeout=timeout,
-                          env=env if env is not None else client_env(endpoint))
+                          env=env if env is not None else client_env(endpoint, ca_bundle))
 
 
 def is_mount(path: str) -> bool:
@@ -105,6 +106,7 @@ class Mount:
     cache_dir: Path
     source: str
     endpoint: str
+    ca_bundle: str | None = None  # an HTTPS endpoint's certificate
 
     @property
     def log(self) -> str:
@@ -116,17 +118,20 @@ class Mount:
     def unmount(self) -> None:
         if not is_mount(str(self.path)):
             return
-        r = run_ckptfs("unmount", str(self.path), endpoint=self.endpoint, timeout=180)
+        r = run_ckptfs("unmount", str(self.path), endpoint=self.endpoint, timeout=180,
+                       ca_bundle=self.ca_bundle)
         if r.returncode != 0:
             force_unmount(str(self.path))
             raise AssertionError(f"ckptfs unmount failed: {r.stderr}\n{self.log[-3000:]}")
 
 
 class Mounter:
-    def __init__(self, server: S3Server, tmp: Path, prefix: str) -> None:
+    def __init__(self, server: S3Server, tmp: Path, prefix: str, tls: bool = False) -> None:
         self.server = server
         self.tmp = tmp
         self.prefix = prefix
+        self.endpoint = (server.https_endpoint if tls else server.endpoint) or ""
+        self.ca_bundle = server.ca_bundle if tls else None
         self.mounts: list[Mount] = []
         self._n = 0
 
@@ -139,8 +144,9 @@ class Mounter:
         cache = cache_dir or self.tmp / f"cache{self._n}"
         source = f"s3://{BUCKET}/{prefix or self.prefix}"
         r = run_ckptfs("mount", source, str(path), "--cache-dir", str(cache),
-                       "--endpoint-url", self.server.endpoint, *extra, endpoint=self.server.endpoint)
-        mount = Mount(path, cache, source, self.server.endpoint)
+                       "--endpoint-url", self.endpoint, *extra, endpoint=self.endpoint,
+                       ca_bundle=self.ca_bundle)
+        mount = Mount(path, cache, source, self.endpoint, self.ca_bundle)
         if r.returncode != 0:
             raise AssertionError(f"mount failed ({r.returncode}): {r.stderr}\n{mount.log[-3000:]}")
         assert is_mount(str(path)), mount.log
@@ -184,6 +190,16 @@ def proxied(s3_server: S3Server, tmp_path: Path, prefix: str):
             proxy.rates = dict.fromkeys(proxy.rates, 0.0)
             proxy.fault_methods = None
             mounter.close()
+
+
+@pytest.fixture
+def tls_mounter(s3_server: S3Server, tmp_path: Path, prefix: str) -> Iterator[Mounter]:
+    """Mounts that reach the S3 server over HTTPS, as every mount on AWS does."""
+    m = Mounter(s3_server, tmp_path, prefix, tls=True)
+    try:
+        yield m
+    finally:
+        m.close()
 
 
 @pytest.fixture
