@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ckptfs.checksum import crc32
@@ -66,14 +66,46 @@ class FileRange(io.RawIOBase):
         buffer[:len(data)] = data
         return len(data)
 
+    def pieces(self) -> Iterator[memoryview]:
+        """The bytes from the current position on, read a MiB at a time into this thread's
+        buffer: each piece is valid until the next one is asked for."""
+        buf = _thread_buffer()
+        while self._pos < self.length:
+            n = min(len(buf), self.length - self._pos)
+            got = os.preadv(self.fd, [buf[:n]], self.start + self._pos)
+            if got <= 0:
+                raise S3Error("the staged file is shorter than its recorded size", retryable=False)
+            self._pos += got
+            yield buf[:got]
+
+
+def send_in_pieces(boto_client: Any) -> None:
+    """Have botocore send FileRange bodies (UploadPart and PutObject of staged bytes) a MiB at
+    a time. Given a file, urllib3 reads it 16 KiB at a time (a Python round trip per 16 KiB,
+    1,024 per 16 MiB part); given an iterable, it sends each piece as it comes. Over HTTPS,
+    where the kernel cannot send the file itself (zerocopy.py), this is how a part goes up
+    without a buffer of its size."""
+    for op in ("UploadPart", "PutObject"):
+        boto_client.meta.events.register(f"before-send.s3.{op}", _in_pieces)
+
+
+def _in_pieces(request: Any, **_: Any) -> None:
+    if isinstance(request.body, FileRange):  # Content-Length is set already: not chunked
+        request.body = request.body.pieces()
+
+
+def _thread_buffer() -> memoryview:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(_READ_CHUNK))
+    return buf
+
 
 def crc_of_range(fd: int, start: int, length: int) -> int:
     """CRC32 of bytes [start, start + length) of a file, read a chunk at a time into one
     buffer per thread. Not through a mapping: a file truncated meanwhile (a writer's
     O_TRUNC while its part streams) would kill the daemon with SIGBUS."""
-    buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = memoryview(bytearray(_READ_CHUNK))
+    buf = _thread_buffer()
     crc = 0
     done = 0
     while done < length:

@@ -1,11 +1,13 @@
 """Request bodies held in memory: one byte budget for every upload of the mount.
 
-A part (or a small file's PUT) is read into a buffer once, then checksummed and sent from
-there: on small hosts the extra passes of streaming it from the staged file cost more CPU
-than the memory. The budget (`--upload-memory`, default 48 MiB) bounds how many such
-bodies exist at once, so the daemon's memory does not grow with `--concurrency` or the
-part size; an upload waits for a buffer. Buffers are kept and reused by size (parts of a
-plan share a few sizes), so they are allocated and zero-filled once.
+Over HTTPS a part (or a small file's PUT) whose CRC32 its writes did not compute is read
+into a buffer once, then checksummed and sent from there: streaming it from the staged file
+would take a second pass over it for the checksum. (A part with a known CRC32 streams from
+the file a MiB at a time and needs no buffer; over plain HTTP sendfile needs none either.)
+The budget (`--upload-memory`, default 48 MiB) bounds how many such bodies exist at once,
+so the daemon's memory does not grow with `--concurrency` or the part size; an upload
+waits for a buffer. Buffers are kept and reused by size (parts of a plan share a few
+sizes), so they are allocated and zero-filled once.
 """
 
 from __future__ import annotations

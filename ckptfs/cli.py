@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--part-size", help="multipart part size, e.g. 16MiB (it grows along huge files)")
     m.add_argument("--concurrency", help="parts or ranges in flight at once")
     m.add_argument("--cache-size", help="local copies of written files kept for reads, e.g. 8GiB")
-    m.add_argument("--upload-memory", help="memory for request bodies in flight (default 48MiB; "
-                   "a part waits for room)")
+    m.add_argument("--upload-memory", help="memory for request bodies read from staged files over "
+                   "HTTPS (default 48MiB; a part waits for room)")
     m.add_argument("--read-memory", help="memory for read chunks fetched from S3 when they cannot go to the disk cache (default 48MiB)")
     m.add_argument("--foreground", action="store_const", const=True, help="stay attached (for systemd)")
     m.add_argument("--allow-other", action="store_const", const=True, help="let other users access the mount")

@@ -28,7 +28,7 @@ import botocore.exceptions
 import trio
 
 from ckptfs import zerocopy
-from ckptfs.bodies import FileRange, crc_of_range, scatter
+from ckptfs.bodies import FileRange, crc_of_range, scatter, send_in_pieces
 from ckptfs.buffers import BufferBudget
 from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import LocalWriteError, NoSuchKey, S3Error
@@ -194,8 +194,11 @@ class S3Client:
         self.timeout = timeout  # how long a request without a deadline of its own is retried
         self.bodies = bodies or BufferBudget(48 << 20)  # bodies read from staged files
         # The client sends FileRange bodies with sendfile (zerocopy.py): staged bytes never
-        # need a buffer, only a pass for their CRC32.
+        # need a buffer, only a pass for their CRC32. Otherwise (HTTPS) botocore sends them
+        # a MiB at a time from a buffer per thread (bodies.send_in_pieces).
         self.sendfile = sendfile
+        if not sendfile:
+            send_in_pieces(boto_client)
 
     async def _retried(self, what: str, deadline: float | None,
                        attempt: Callable[[], Awaitable[T]]) -> T:
@@ -379,11 +382,13 @@ class S3Client:
                           send: Callable[[Any, int], str],
                           known_crc: int | None = None) -> tuple[str, int]:
         """Send bytes [start, start + size) of `fd` with `send(body, crc)` in a worker thread,
-        retried. Where the client sends with sendfile, and for a body larger than the whole
-        memory budget, the body is a view of the file, sent after a first pass for its
-        CRC32 (skipped on the first attempt when `known_crc` gives it: a server that refuses
-        it gets the file's own CRC32 on the retry); otherwise the bytes are read once into a
-        buffer of the budget, then checksummed and sent from it."""
+        retried. The body is a view of the file (sent with sendfile over plain HTTP, else a
+        MiB at a time) where the client sends with sendfile, where `known_crc` gives its
+        CRC32 (the writes computed it: no pass is needed for it on the first attempt; a
+        server that refuses it gets the file's own CRC32 on the retry), and for a body
+        larger than the whole memory budget; those take a first pass for their CRC32.
+        Otherwise (HTTPS, a CRC32 not known) the bytes are read once into a buffer of the
+        budget, then checksummed and sent from it."""
         known = [] if known_crc is None else [known_crc]
         def from_buffer(buf: bytearray) -> tuple[str, int]:
             if os.preadv(fd, [buf], start) != size:
@@ -395,7 +400,7 @@ class S3Client:
             crc = known.pop() if known else crc_of_range(fd, start, size)
             return send(FileRange(fd, start, size), crc), crc
 
-        if self.sendfile or not self.bodies.fits(size):
+        if self.sendfile or known or not self.bodies.fits(size):
             return await self._retried(what, deadline, lambda: trio.to_thread.run_sync(
                 streamed, limiter=self.limiter))
         async with self.bodies.borrow(size) as buf:
