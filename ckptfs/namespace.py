@@ -110,6 +110,12 @@ class Namespace:
     def invalidate_listing(self, dir_ino: int) -> None:
         self._listed.pop(dir_ino, None)
 
+    def made_dir(self, directory: Inode) -> None:
+        """The mount just made `directory` where S3 had nothing (its lookup said so): for the
+        TTL, as after a listing, a name the table does not know is not in S3 either. A
+        checkpoint's files are then created in it without a HEAD and a LIST each."""
+        self._listed[directory.ino] = time.monotonic()
+
     def forget_absent(self, dir_ino: int, name: str) -> None:
         """The mount itself just created `name`, or moved something there."""
         self._absent.pop((dir_ino, name), None)

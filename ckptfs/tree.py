@@ -43,6 +43,8 @@ class Tree:
             self.table.detach(node)
             raise
         node.validated_at = time.monotonic()
+        if node.is_dir:
+            self.ns.made_dir(node)
         parent.touch()
         return node
 

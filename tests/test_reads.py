@@ -74,6 +74,27 @@ def test_missing_names_are_remembered_for_the_ttl_and_own_creates_are_seen(proxi
     assert (mnt.path / "d").is_dir()
 
 
+@pytest.mark.parametrize("durability", ["close", "async"])
+def test_files_created_in_a_directory_made_here_need_no_lookup_in_s3(proxied, s3, prefix: str,
+                                                                     durability: str) -> None:
+    """S3 had nothing under a directory the mount just made: each new file in it is created
+    without a HEAD and a LIST of its own (one S3 round trip per file on AWS)."""
+    proxy, mounter = proxied
+    mnt = mounter("--durability", durability, "--metadata-ttl", "30")  # the whole test in one TTL
+    step = mnt.path / "step_10"
+    step.mkdir()
+    proxy.counts.clear()
+    for i in range(20):
+        (step / f"shard_{i}.pt").write_bytes(b"x" * i)
+    # A lookup in S3 is a HEAD and a LIST at once; uploads (close mode, or async mode's
+    # background puts) send HEADs of their own but never a LIST.
+    assert proxy.counts["LIST"] == 0, proxy.counts
+    if durability == "async":
+        assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    assert s3_bytes(s3, f"{prefix}/step_10/shard_19.pt") == b"x" * 19
+    assert sorted(os.listdir(step)) == sorted(f"shard_{i}.pt" for i in range(20))
+
+
 def test_a_short_ttl_sees_objects_other_writers_add(proxied, s3, prefix: str) -> None:
     import time
     proxy, mounter = proxied
