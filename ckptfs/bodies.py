@@ -69,7 +69,7 @@ class FileRange(io.RawIOBase):
     def pieces(self) -> Iterator[memoryview]:
         """The bytes from the current position on, read a MiB at a time into this thread's
         buffer: each piece is valid until the next one is asked for."""
-        buf = _thread_buffer()
+        buf = thread_buffer()
         while self._pos < self.length:
             n = min(len(buf), self.length - self._pos)
             got = os.preadv(self.fd, [buf[:n]], self.start + self._pos)
@@ -94,7 +94,9 @@ def _in_pieces(request: Any, **_: Any) -> None:
         request.body = request.body.pieces()
 
 
-def _thread_buffer() -> memoryview:
+def thread_buffer() -> memoryview:
+    """This worker thread's 1 MiB buffer, for one request at a time: a part's CRC32 pass and
+    its pieces (here), or a GET body on its way into a file over TLS (zerocopy.py)."""
     buf = getattr(_local, "buf", None)
     if buf is None:
         buf = _local.buf = memoryview(bytearray(_READ_CHUNK))
@@ -105,7 +107,7 @@ def crc_of_range(fd: int, start: int, length: int) -> int:
     """CRC32 of bytes [start, start + length) of a file, read a chunk at a time into one
     buffer per thread. Not through a mapping: a file truncated meanwhile (a writer's
     O_TRUNC while its part streams) would kill the daemon with SIGBUS."""
-    buf = _thread_buffer()
+    buf = thread_buffer()
     crc = 0
     done = 0
     while done < length:

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 from botocore.awsrequest import AWSResponse
 
-from ckptfs.bodies import FileRange
+from ckptfs.bodies import FileRange, thread_buffer
 from ckptfs.errors import LocalWriteError, S3Error
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,6 @@ class SendfileSender:
 
 _F_SETPIPE_SZ, _F_GETPIPE_SZ = 1031, 1032
 _PIPE_SIZE = 1 << 20  # the default pipe-max-size: a MiB moves per pair of splices
-_BOUNCE = 1 << 20
 _per_thread = threading.local()
 
 
@@ -244,9 +243,7 @@ def receive_into_files(response: http.client.HTTPResponse, targets: list[tuple[i
     sock = _plain_socket(response)
     if sock is not None and sum(n for _, n in targets) != response.length:
         sock = None  # not the body we asked for: let the caller's length check say so
-    bounce = getattr(_per_thread, "bounce", None)
-    if bounce is None:
-        bounce = _per_thread.bounce = bytearray(_BOUNCE)
+    bounce = thread_buffer()
     # Bytes already in the response's buffer (read with the headers) go through it; then the
     # buffer is empty, and the socket is only ever read past them.
     head = len(response.fp.peek(1)) if sock is not None else 0
@@ -260,7 +257,7 @@ def receive_into_files(response: http.client.HTTPResponse, targets: list[tuple[i
                 response.length -= length - offset  # read behind http.client's back
                 spliced += length - offset
                 break
-            view = memoryview(bounce)[:min(_BOUNCE, length - offset, head or _BOUNCE)]
+            view = bounce[:min(len(bounce), length - offset, head or len(bounce))]
             got = response.readinto(view)
             if not got:
                 raise http.client.IncompleteRead(b"", length - offset)
