@@ -4,8 +4,10 @@
 
 The limit of any pyfuse3 write path on this host: the kernel (with the writeback cache,
 as ckptfs mounts) hands each write to the one FUSE thread, which copies it into a bytes
-object and pwrites it; nothing else happens. write_bench.py mounts it beside ckptfs and
-reads its CPU seconds from /proc. Unmount with fusermount3 -u; it then exits.
+object and pwrites it; nothing else happens. It runs pyfuse3's request loop as ckptfs
+does (ckptfs/fuseloop.py: a lighter read lock and wait than trio's), so it stays the floor
+of ckptfs's own write path. write_bench.py mounts it beside ckptfs and reads its CPU
+seconds from /proc. Unmount with fusermount3 -u; it then exits.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import time
 
 import pyfuse3
 import trio
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ckptfs import fuseloop  # noqa: E402
 
 ROOT = pyfuse3.ROOT_INODE
 
@@ -101,6 +106,7 @@ def main() -> int:
     options = set(pyfuse3.default_options) | {"fsname=sink"}
     sink = Sink(staging)
     pyfuse3.init(sink, mountpoint, options)
+    fuseloop.install()
     try:
         trio.run(pyfuse3.main)
     finally:

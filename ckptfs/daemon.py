@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from ckptfs import control
+from ckptfs import control, fuseloop
 from ckptfs.client import _mountinfo, control_path, is_mounted, mount_type, result_path, state_path
 from ckptfs.config import Config
 from ckptfs.buffers import BufferBudget
@@ -292,6 +292,7 @@ async def _mount_and_serve(config: Config, mount: Mount, nursery: trio.Nursery,
                                     functools.partial(_on_spot_notice, mount))
             notify(READY)
             notifier.ready(stats.line())
+            fuseloop.install()
             await pyfuse3.main()
             await mount.reader.settle()
             await mount.files.shutdown()
