@@ -240,7 +240,7 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
     stats = Stats({"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
                    "cache_dir": config.cache_dir, "durability": config.durability,
                    "recovery": report.as_dict()},
-                  [uploader, bodies, reader, cache, files, changes, journal],
+                  [uploader, bodies, reader, cache, files, changes, journal, fs],
                   draining=lambda: fs.draining, pending=changes.backlog.pending)
     return Mount(fs, files, changes, uploader, reader, oplog, journal, staging, stats)
 

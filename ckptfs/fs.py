@@ -8,6 +8,7 @@ instead of taking the whole mount down.
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import logging
@@ -35,8 +36,11 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
 def _guarded(fn: F) -> F:
+    op = fn.__name__
+
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        args[0].requests[op] += 1
         try:
             with raise_first_error():  # a nursery's group: report its first failure
                 return await fn(*args, **kwargs)
@@ -92,6 +96,10 @@ class CheckpointFS(pyfuse3.Operations):
         self.initialized = trio.Event()  # set once the kernel's FUSE INIT has been answered
         self._handles: dict[int, Handle | DirHandle] = {}
         self._next_fh = 1
+        self.requests: collections.Counter[str] = collections.Counter()  # FUSE requests, by op
+
+    def stats(self) -> dict[str, Any]:
+        return {"fuse_requests": dict(self.requests)}
 
     # ----- helpers -------------------------------------------------------
 
@@ -415,7 +423,10 @@ class CheckpointFS(pyfuse3.Operations):
 
     @_guarded
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        raise _fail(pyfuse3.ENOATTR)
+        # No xattrs here, said as ENOSYS: the kernel then answers every getxattr itself
+        # (ENOTSUP), and stops asking for security.capability before each write() (each ask
+        # was a round trip through the FUSE thread that the writer waited for).
+        raise _fail(errno.ENOSYS)
 
     @_guarded
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
@@ -427,7 +438,7 @@ class CheckpointFS(pyfuse3.Operations):
 
     @_guarded
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        raise _fail(pyfuse3.ENOATTR)
+        raise _fail(errno.ENOSYS)
 
     @_guarded
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

@@ -102,6 +102,11 @@ class _Collector:
         yield counter("cache_misses", "Read chunks fetched from S3", s["chunk_cache_misses"])
         yield counter("disk_cache_hits", "Reads answered from the read cache on disk",
                       s["chunk_disk_hits"])
+        requests = CounterMetricFamily("ckptfs_fuse_requests", "Requests the kernel sent the daemon, by operation",
+                                       labels=["op"])
+        for op, n in sorted(s["fuse_requests"].items()):
+            requests.add_metric([op], n)
+        yield requests
         yield gauge("pending_uploads", "Closed files not yet in S3", s["pending_files"])
         yield gauge("pending_bytes", "Bytes of closed files not yet in S3", s["pending_bytes"])
         yield gauge("uploads_in_flight", "Uploads and streamed parts in flight", s["uploads_in_flight"])

@@ -392,6 +392,23 @@ def test_statfs_and_xattrs(mnt: Mount) -> None:
     with pytest.raises(OSError) as e:
         os.setxattr(mnt.path / "x", "user.k", b"v")
     assert e.value.errno == errno.ENOTSUP
+    for call in (os.getxattr, os.removexattr):
+        with pytest.raises(OSError) as e:
+            call(mnt.path / "x", "user.k")
+        assert e.value.errno == errno.ENOTSUP
+
+
+def test_writes_send_the_daemon_no_xattr_lookup(mnt: Mount) -> None:
+    """The kernel asks for a file's security.capability before each write() (to clear it),
+    unless the file system said once that it has no xattrs (ENOSYS). Each lookup was a
+    round trip through the FUSE thread that the writer waited for."""
+    with open(mnt.path / "many-writes.bin", "wb", buffering=0) as f:
+        for _ in range(200):
+            f.write(b"x" * 4096)
+    r = run_ckptfs("status", str(mnt.path), "--json")
+    assert r.returncode == 0, r.stderr
+    requests = json.loads(r.stdout)["fuse_requests"]
+    assert requests["write"] >= 1 and requests.get("getxattr", 0) <= 1, requests
 
 
 def test_cache_dir_and_staged_files_are_private(mnt: Mount) -> None:
