@@ -102,8 +102,8 @@ class _Collector:
         yield counter("cache_misses", "Read chunks fetched from S3", s["chunk_cache_misses"])
         yield counter("disk_cache_hits", "Reads answered from the read cache on disk",
                       s["chunk_disk_hits"])
-        requests = CounterMetricFamily("ckptfs_fuse_requests", "Requests the kernel sent the daemon, by operation",
-                                       labels=["op"])
+        requests = CounterMetricFamily("ckptfs_fuse_requests",
+                                       "Requests the kernel sent the daemon, by operation", labels=["op"])
         for op, n in sorted(s["fuse_requests"].items()):
             requests.add_metric([op], n)
         yield requests
