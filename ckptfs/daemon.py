@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pyfuse3
 import trio
@@ -42,6 +43,7 @@ from ckptfs.retry import RetryPolicy
 from ckptfs.parts import PartPlan
 from ckptfs.prefetch import ChunkReader
 from ckptfs.s3 import S3Client, make_boto_client, preflight
+from ckptfs.s3types import S3
 from ckptfs.spot import watch as watch_spot
 from ckptfs.staging import StagingArea
 from ckptfs.tree import Tree
@@ -201,6 +203,13 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
         SendfileSender(config.endpoint_url or "", timeout=60).install(boto)
     s3 = S3Client(boto, config.bucket, limiter, RetryPolicy(), timeout=config.upload_timeout,
                   bodies=bodies, sendfile=sendfile)
+    return await build_mount(config, s3, nursery, (bodies,))
+
+
+async def build_mount(config: Config, s3: S3, nursery: trio.Nursery,
+                      counted: tuple[Any, ...] = ()) -> Mount:
+    """The mount's components over `s3` (the S3 client, or a fake in unit tests), after the
+    recovery of what an earlier daemon journaled. `counted`: more components for stats."""
     staging = StagingArea(config.cache_dir)
     journal = Journal(config.cache_dir)
     uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency, journal=journal,
@@ -240,7 +249,7 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
     stats = Stats({"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
                    "cache_dir": config.cache_dir, "durability": config.durability,
                    "recovery": report.as_dict()},
-                  [uploader, bodies, reader, cache, files, changes, journal, fs],
+                  [uploader, *counted, reader, cache, files, changes, journal, fs],
                   draining=lambda: fs.draining, pending=changes.backlog.pending)
     return Mount(fs, files, changes, uploader, reader, oplog, journal, staging, stats)
 
