@@ -95,25 +95,35 @@ class OpenFiles:
 
     async def _ensure_staged(self, inode: Inode, truncate: bool) -> None:
         """Give `inode` a staged file holding its whole content (or none, if truncating)."""
-        if inode.staged is not None:
-            await self._unshare(inode, keep_bytes=not truncate)
-            if truncate:
-                inode.staged.truncate(0)
-                self.uploader.note_truncate(inode.upload, 0)
+        while True:
+            if inode.staged is not None:
+                await self._unshare(inode, keep_bytes=not truncate)
+            # (The log may have applied the staged bytes meanwhile and, with no handle
+            # open, moved them to the read cache: then they are staged again from there.)
+            if inode.staged is not None:
+                if truncate:
+                    inode.staged.truncate(0)
+                    self.uploader.note_truncate(inode.upload, 0)
+                return
+            staged = self.staging.new_file()
+            try:
+                if not truncate and inode.etag is not None and inode.size > 0:
+                    key = self.table.object_key(inode)
+                    staged.close()
+                    # A cached whole copy becomes the staged file (a rename); else download it.
+                    if not self.cache.take(key, inode.etag, staged.path):
+                        await self.s3.download_to(key, staged.fd, inode.size, _DOWNLOAD_CHUNK,
+                                                  inode.etag)
+            except BaseException:
+                staged.remove()
+                raise
+            if inode.staged is not None:  # another open staged it while this one downloaded
+                staged.remove()
+                continue
+            inode.staged = staged
+            inode.upload.journal_name = os.path.basename(staged.path)
+            inode.upload.crcs.clear()  # they describe bytes written to an earlier staged file
             return
-        staged = self._new_staged(inode)
-        try:
-            if not truncate and inode.etag is not None and inode.size > 0:
-                key = self.table.object_key(inode)
-                staged.close()
-                # A cached whole copy becomes the staged file (a rename); else download it.
-                if not self.cache.take(key, inode.etag, staged.path):
-                    await self.s3.download_to(key, staged.fd, inode.size, _DOWNLOAD_CHUNK, inode.etag)
-        except BaseException:
-            staged.remove()
-            raise
-        inode.staged = staged
-        inode.upload.crcs.clear()  # they describe bytes written to an earlier staged file
 
     async def _unshare(self, inode: Inode, keep_bytes: bool) -> None:
         """Before the staged bytes change: if a pending log entry publishes them, the inode
@@ -125,8 +135,10 @@ class OpenFiles:
             try:
                 if keep_bytes and inode.size > 0:
                     await trio.to_thread.run_sync(copy_file, old.path, new.fd, inode.size)
-            except BaseException:
+            except BaseException as exc:
                 new.remove()
+                if isinstance(exc, OSError) and inode.staged is not old:
+                    continue  # the log published `old` and moved it on while it was copied
                 raise
             if inode.staged is not old:  # changed while copying: start from what it is now
                 new.remove()

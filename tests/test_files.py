@@ -1,0 +1,123 @@
+"""Open files (files.py) racing the ordered log, with the mount's components built over an
+in-memory S3: the log applies an earlier put at a moment the test chooses, which a real
+server cannot be made to show on cue. Through FUSE these races are in test_pjdfstest.py
+(truncate/05.t lost one once: the log moved the file's bytes while a truncate copied them).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from ckptfs import files as files_module
+from ckptfs.config import Config
+from ckptfs.daemon import Mount, build_mount
+from ckptfs.inodes import ROOT_INODE, Inode
+from fakes3 import MemoryS3
+
+
+@asynccontextmanager
+async def mounted(tmp_path: Path, s3: MemoryS3, durability: str) -> AsyncIterator[Mount]:
+    config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
+                    cache_dir=str(tmp_path / "cache"), durability=durability, upload_timeout=10)
+    async with trio.open_nursery() as nursery:
+        yield await build_mount(config, s3, nursery)  # type: ignore[arg-type]
+        nursery.cancel_scope.cancel()
+
+
+def gate_puts(s3: MemoryS3) -> trio.Event:
+    """Hold every PutObject until the event is set."""
+    go = trio.Event()
+    put = s3.put
+
+    async def held(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await go.wait()
+        return await put(*args, **kwargs)
+    s3.put = held  # type: ignore[method-assign]
+    return go
+
+
+async def closed_file(mount: Mount, name: str, data: bytes) -> Inode:
+    """A file written and closed through the mount's components, its handle released."""
+    node = mount.files.create(mount.fs.table[ROOT_INODE], name, 0o644, 0, 0)
+    assert await mount.files.write(node, 0, data) == len(data)
+    await mount.files.close(node, None)
+    await mount.files.release(node, writable=True)
+    return node
+
+
+def staged_files(tmp_path: Path) -> list[str]:
+    return sorted(os.listdir(tmp_path / "cache" / "staging"))
+
+
+async def test_a_truncate_by_path_while_the_log_publishes_the_bytes_it_copies(
+        tmp_path: Path, monkeypatch) -> None:
+    """truncate(2) of a closed file whose put waits in the log copies the staged bytes (the
+    entry keeps them). If the put is applied during that copy, its bytes move to the read
+    cache: the truncate must start from them there, not fail with ENOENT."""
+    s3 = MemoryS3()
+    puts = gate_puts(s3)
+    copying, go_on = threading.Event(), threading.Event()
+    copy_file = files_module.copy_file
+
+    def slow_copy(src: str, fd: int, size: int) -> None:
+        copying.set()
+        assert go_on.wait(10)
+        copy_file(src, fd, size)
+    monkeypatch.setattr(files_module, "copy_file", slow_copy)
+    data = os.urandom(200)
+    async with mounted(tmp_path, s3, "async") as mount:
+        node = await closed_file(mount, "f", data)
+        assert node.pending == 1 and node.staged is not None and node.staged.held
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mount.files.truncate, node, 1234)
+            with trio.fail_after(10):
+                while not copying.is_set():
+                    await trio.sleep(0.01)
+                puts.set()  # the put is applied while the truncate copies
+                await mount.log.drain()
+            assert node.pending == 0
+            go_on.set()
+        assert node.size == 1234 and node.staged is not None
+        assert node.staged.pread(2000, 0) == data + bytes(1034)
+        await mount.changes.publish(node, background=False)
+        with trio.fail_after(10):
+            await mount.log.drain()
+        assert len(staged_files(tmp_path)) <= 1
+    assert s3.objects["p/f"] == data + bytes(1034)
+
+
+async def test_two_opens_for_writing_at_once_share_one_staged_copy(tmp_path: Path) -> None:
+    """Two writers open a file S3 has at the same time: both wait for its download, and then
+    write into the same staged copy (never each into their own, one of them lost)."""
+    s3 = MemoryS3()
+    s3._store("p/f", b"a" * 100, {}, "put", '"e1"')
+    fetched = trio.Event()
+    download_to = s3.download_to
+
+    async def slow_download(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await fetched.wait()
+        return await download_to(*args, **kwargs)
+    s3.download_to = slow_download  # type: ignore[method-assign]
+    async with mounted(tmp_path, s3, "close") as mount:
+        node = await mount.fs.ns.lookup(mount.fs.table[ROOT_INODE], "f")
+        assert node is not None and node.size == 100
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mount.files.open_for_write, node, False)
+            nursery.start_soon(mount.files.open_for_write, node, False)
+            await trio.sleep(0.1)
+            fetched.set()
+        assert node.writers == 2 and node.staged is not None
+        assert len(staged_files(tmp_path)) == 1
+        await mount.files.write(node, 0, b"b" * 10)
+        await mount.files.write(node, 90, b"c" * 10)
+        for _ in range(2):
+            await mount.files.close(node, None)
+            await mount.files.release(node, writable=True)
+    assert s3.objects["p/f"] == b"b" * 10 + b"a" * 80 + b"c" * 10
+
