@@ -127,10 +127,8 @@ class Namespace:
 
     def apply_object(self, inode: Inode, info: ObjectInfo, with_metadata: bool) -> None:
         """Refresh a clean inode from an S3 object (HEAD with metadata, or a LIST entry)."""
-        if info.etag != inode.etag and inode.staged is not None:
-            inode.staged.remove()  # the local copy is of an older version
-            inode.staged = None
         if info.etag != inode.etag:
+            inode.drop_staged()  # the local copy is of an older version
             inode.meta_known = False
         mtime_default = int(info.last_modified * 10**9)
         inode.size = info.size
@@ -211,6 +209,7 @@ class Namespace:
         """HEAD the object and LIST the "name/" prefix at once: a file, a directory, or None."""
         head: list[ObjectInfo | None] = [None]
         listing: list[ListPage] = []
+        etag_before = child.etag if child is not None else None
 
         async def do_head() -> None:
             try:
@@ -226,12 +225,15 @@ class Namespace:
             nursery.start_soon(do_list)
         # The table may have changed while S3 answered: the kernel's FORGET may have dropped
         # `child` (answering with it would hand the kernel an inode number nobody knows), or
-        # the mount itself may have created the name.
+        # the mount itself may have created the name, or changed the file: then S3's answer
+        # predates the mount's own state and must not overrule it.
         current = self.table.child(parent.ino, name)
         if current is not child:
             child = current
             if child is not None and child.is_local:
                 return child
+        elif child is not None and (child.is_local or child.etag != etag_before):
+            return child
         page = listing[0]
         if (page.objects or page.prefixes) and not masked(key + "/"):
             if child is not None and child.is_dir:
@@ -286,6 +288,8 @@ class Namespace:
                 return True, child
         done = trio.Event()
         self._rechecking[parent.ino] = done
+        before = self.table.child(parent.ino, name)
+        etag_before = before.etag if before is not None else None
         dir_key = self.table.key_of(parent)
         key = dir_key + name
         try:
@@ -314,8 +318,8 @@ class Namespace:
             elif info.etag == known.etag:  # changed ones get a new inode on their own lookup
                 self.apply_object(known, info, with_metadata=False)
         child = self.table.child(parent.ino, name)
-        if child is None or child.is_local:
-            return True, child
+        if child is None or child.is_local or (child is before and child.etag != etag_before):
+            return True, child  # (the mount changed it while S3 answered: the answer predates)
         if name in seen:
             info = seen[name]
             if child.is_dir != (info is None):

@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 import trio
 
 from ckptfs import files as files_module
 from ckptfs.config import Config
 from ckptfs.daemon import Mount, build_mount
 from ckptfs.inodes import ROOT_INODE, Inode
+from ckptfs.namespace import SYMLINK_MAX
 from fakes3 import MemoryS3
 
 
@@ -121,3 +123,86 @@ async def test_two_opens_for_writing_at_once_share_one_staged_copy(tmp_path: Pat
             await mount.files.release(node, writable=True)
     assert s3.objects["p/f"] == b"b" * 10 + b"a" * 80 + b"c" * 10
 
+
+async def test_an_answer_from_s3_never_overrules_a_write_made_while_it_was_on_its_way(
+        tmp_path: Path) -> None:
+    """A lookup HEADs a clean file; before S3 answers, a writer opens the file and makes it
+    longer. The answer (the old size) predates the write: it must not shrink the file, or
+    close would upload only the old size's bytes."""
+    s3 = MemoryS3()
+    s3._store("p/f", b"a" * 100, {}, "put", '"e1"')
+    async with mounted(tmp_path, s3, "close") as mount:
+        root = mount.fs.table[ROOT_INODE]
+        node = await mount.fs.ns.lookup(root, "f")
+        assert node is not None and node.size == 100
+        node.validated_at = 0.0  # past the TTL: the next lookup asks S3
+        answer = trio.Event()
+        head = s3.head
+
+        async def slow_head(*args, **kwargs):  # type: ignore[no-untyped-def]
+            info = await head(*args, **kwargs)
+            await answer.wait()
+            return info
+        s3.head = slow_head  # type: ignore[method-assign]
+        found: list[Inode | None] = []
+
+        async def look() -> None:
+            found.append(await mount.fs.ns.lookup(root, "f"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await trio.sleep(0.05)
+            await mount.files.open_for_write(node, False)
+            await mount.files.write(node, 100, b"b" * 200)
+            answer.set()
+        assert found == [node] and node.size == 300
+        await mount.files.close(node, None)
+        await mount.files.release(node, writable=True)
+    assert s3.objects["p/f"] == b"a" * 100 + b"b" * 200
+
+
+@pytest.mark.parametrize("asked_by", ["head", "listing"])
+async def test_an_answer_from_s3_never_shows_a_version_older_than_the_mount_just_wrote(
+        tmp_path: Path, asked_by: str) -> None:
+    """A lookup asks S3 about a clean file (a HEAD; or, in a listed directory, one LIST
+    page); before it answers, the mount writes a new version and the log puts it. The
+    answer names the old version: the name must go on showing the new one."""
+    s3 = MemoryS3()
+    s3._store("p/f", b"a" * SYMLINK_MAX * 2, {}, "put", '"e1"')  # no HEAD for its kind
+    async with mounted(tmp_path, s3, "async") as mount:
+        root, ns = mount.fs.table[ROOT_INODE], mount.fs.ns
+        if asked_by == "listing":
+            await ns.list_dir(root)
+        node = await ns.lookup(root, "f")
+        assert node is not None and node.etag == '"e1"'
+        node.lookups = 1  # the kernel knows it
+        node.validated_at = 0.0
+        ns.invalidate_listing(root.ino)
+        if asked_by == "listing":
+            ns._listed[root.ino] = 0.0  # listed once, long ago
+        answer = trio.Event()
+        op = "head" if asked_by == "head" else "list_page"
+        ask = getattr(s3, op)
+
+        async def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+            info = await ask(*args, **kwargs)
+            if not answer.is_set():
+                setattr(s3, op, ask)  # only the lookup's request waits (the log asks too)
+                await answer.wait()
+            return info
+        setattr(s3, op, slow)
+        found: list[Inode | None] = []
+
+        async def look() -> None:
+            found.append(await ns.lookup(root, "f"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            await trio.sleep(0.05)
+            await mount.files.open_for_write(node, True)
+            await mount.files.write(node, 0, b"b" * SYMLINK_MAX * 3)
+            await mount.files.close(node, None)
+            await mount.files.release(node, writable=True)
+            with trio.fail_after(10):
+                await mount.log.drain()
+            assert node.etag != '"e1"'
+            answer.set()
+        assert found == [node] and node.size == SYMLINK_MAX * 3 and node.etag == s3.etags["p/f"]
