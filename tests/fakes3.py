@@ -301,3 +301,13 @@ class MemoryS3:
     async def delete_many(self, keys: list[str]) -> None:
         for key in keys:
             await self.delete(key)
+
+
+def hold(s3: MemoryS3, op: str, until: trio.Event) -> None:
+    """Every call of the method `op` waits for `until` first: a request the test times."""
+    method = getattr(s3, op)
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        await until.wait()
+        return await method(*args, **kwargs)
+    setattr(s3, op, held)

@@ -20,7 +20,7 @@ from ckptfs.config import Config
 from ckptfs.daemon import Mount, build_mount
 from ckptfs.inodes import ROOT_INODE, Inode
 from ckptfs.namespace import SYMLINK_MAX
-from fakes3 import MemoryS3
+from fakes3 import MemoryS3, hold
 
 
 @asynccontextmanager
@@ -35,12 +35,7 @@ async def mounted(tmp_path: Path, s3: MemoryS3, durability: str) -> AsyncIterato
 def gate_puts(s3: MemoryS3) -> trio.Event:
     """Hold every PutObject until the event is set."""
     go = trio.Event()
-    put = s3.put
-
-    async def held(*args, **kwargs):  # type: ignore[no-untyped-def]
-        await go.wait()
-        return await put(*args, **kwargs)
-    s3.put = held  # type: ignore[method-assign]
+    hold(s3, "put", go)
     return go
 
 
@@ -100,12 +95,7 @@ async def test_two_opens_for_writing_at_once_share_one_staged_copy(tmp_path: Pat
     s3 = MemoryS3()
     s3._store("p/f", b"a" * 100, {}, "put", '"e1"')
     fetched = trio.Event()
-    download_to = s3.download_to
-
-    async def slow_download(*args, **kwargs):  # type: ignore[no-untyped-def]
-        await fetched.wait()
-        return await download_to(*args, **kwargs)
-    s3.download_to = slow_download  # type: ignore[method-assign]
+    hold(s3, "download_to", fetched)
     async with mounted(tmp_path, s3, "close") as mount:
         node = await mount.fs.ns.lookup(mount.fs.table[ROOT_INODE], "f")
         assert node is not None and node.size == 100

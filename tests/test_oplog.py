@@ -20,6 +20,7 @@ from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload
 from fakes3 import MemoryS3 as FakeS3
+from fakes3 import hold
 
 MiB = 1024 * 1024
 
@@ -193,12 +194,7 @@ async def test_recovery_goes_on_past_a_set_aside_put_after_another_record_failed
 def gate_creates(s3: FakeS3) -> trio.Event:
     """Hold every CreateMultipartUpload (and, through part_gate, every part) until set."""
     created = trio.Event()
-    create = s3.create_multipart
-
-    async def slow_create(*args, **kwargs):  # type: ignore[no-untyped-def]
-        await created.wait()
-        return await create(*args, **kwargs)
-    s3.create_multipart = slow_create  # type: ignore[method-assign]
+    hold(s3, "create_multipart", created)
     s3.part_gate.clear()
     return created
 
