@@ -14,7 +14,9 @@ are a workload of their own: local disk (with and without fsync), boto3 upload_f
 the N files in parallel, ckptfs close and async, ckptfs async with the S3 server at
 SCHED_IDLE while the files are written (on a small host the server's ingest takes cores from
 the FUSE thread), and a bare pyfuse3 sink (bench/sink.py: only pwrites, writeback cache on), the
-limit of any pyfuse3 write path. It prints seconds,
+limit of any pyfuse3 write path, alone and while ckptfs's own uploader (bench/uploader.py,
+another process) sends the same bytes from local files: the limit of a write path that
+streams parts while the ranks write, on this host. It prints seconds,
 MiB/s, the acceptance ratios, and for every ckptfs row the daemon's CPU seconds per GiB
 (from /proc) and peak RSS, beside the raw client's CPU per GiB in the same run; the async
 rows also give the CPU the FUSE thread and the other threads spent while the files were
@@ -305,23 +307,49 @@ class Bench:
         self.rows.append(Row(workload, method, seconds, size,
                              f"client {cpu / (size / GiB):.2f} CPU s/GiB"))
 
-    def sink(self, workload: str, write: Callable[[str], None], size: int) -> None:
-        """The bare pyfuse3 sink (bench/sink.py): the floor of any pyfuse3 write path."""
+    def sink(self, workload: str, write: Callable[[str], None], size: int,
+             uploads: list[str] | None = None) -> None:
+        """The bare pyfuse3 sink (bench/sink.py): the floor of any pyfuse3 write path. With
+        `uploads`, ckptfs's own uploader (bench/uploader.py, another process) sends those
+        files to S3 while the ranks write into the sink: the floor of a write path that
+        streams parts during the writes, on this host."""
         mnt, staging = self.path("sink-mnt"), self.path("sink-staging")
         os.mkdir(mnt)
         proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "sink.py"),
                                  mnt, staging])
+        uploader = None
         try:
             wait_mount(mnt, proc)
+            if uploads:
+                uploader = subprocess.Popen(
+                    [sys.executable, os.path.join(os.path.dirname(__file__), "uploader.py"),
+                     self.server.endpoint, self.server.bucket, f"sink-up-{self._n}", *uploads],
+                    env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                time.sleep(2)  # its imports and client, before the clock starts
             cpu0 = self._cpu(proc.pid)
             drop_caches()
             t = time.monotonic()
+            if uploader:
+                uploader.stdin.write("go\n")
+                uploader.stdin.flush()
             write(os.path.join(mnt, f"{workload}.bin"))
             seconds = time.monotonic() - t
             cpu = self._cpu(proc.pid) - cpu0
-            self.rows.append(Row(workload, "i. bare pyfuse3 sink (pwrite only; close)", seconds, size,
-                                 f"sink {cpu / (size / GiB):.2f} CPU s/GiB"))
+            note = f"sink {cpu / (size / GiB):.2f} CPU s/GiB"
+            if uploader:
+                out, _ = uploader.communicate(timeout=600)
+                if uploader.returncode:
+                    raise RuntimeError(f"bench/uploader.py failed ({uploader.returncode})")
+                note += (f"; uploaded {time.monotonic() - t:.2f} s after the start, "
+                         f"uploader {float(out) / (size / GiB):.2f} CPU s/GiB")
+                method = "k. sink while ckptfs's uploader sends the same bytes (close)"
+            else:
+                method = "i. bare pyfuse3 sink (pwrite only; close)"
+            self.rows.append(Row(workload, method, seconds, size, note))
         finally:
+            if uploader and uploader.poll() is None:
+                uploader.kill()
+                uploader.wait()
             unmount(mnt)
             proc.wait(30)
             shutil.rmtree(staging, ignore_errors=True)
@@ -525,6 +553,7 @@ def run_writers(bench: Bench, src: str, n: int, only_ckptfs: bool) -> None:
     if not only_ckptfs:
         bench.boto_upload(workload, src, size, copies=n)
     bench.sink(workload, write, size)
+    bench.sink(workload, write, size, uploads=[src] * n)
     bench.ckptfs(workload, write, size)
     bench.ckptfs(workload, write, size, durability="async")
     bench.ckptfs(workload, write, size, durability="async", idle_server=True)
@@ -579,7 +608,7 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float]]:
     by: dict[str, float] = {}
     for r in rows:
         by.setdefault(r.method[:2], r.seconds)  # the first row of a method: its close
-    f, b, a, d, g, h, i, j = (by.get(k) for k in ("f.", "b.", "a.", "d.", "g.", "h.", "i.", "j."))
+    f, b, a, d, g, h, i, j, k = (by.get(x) for x in ("f.", "b.", "a.", "d.", "g.", "h.", "i.", "j.", "k."))
     durable = next((r.seconds for r in rows if r.method.endswith("(until sync returns)")), None)
     out = []
     if f and b:
@@ -593,6 +622,9 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float]]:
         out.append(("ckptfs async close / bare sink = {:.2f} (target <= 1.5)", g / i))
         if j:
             out.append(("with the S3 server at SCHED_IDLE meanwhile: {:.2f}", j / i))
+        if k:  # what streaming during the writes costs any pyfuse3 write path on this host
+            out.append(("the sink while the same bytes upload / bare sink = {:.2f}", k / i))
+            out.append(("ckptfs async close / the sink while the same bytes upload = {:.2f}", g / k))
     elif g and a:
         out.append(("ckptfs async close / local disk = {:.2f} (target <= 1.5)", g / a))
     if durable and f:
