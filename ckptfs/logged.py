@@ -43,29 +43,43 @@ class LoggedChanges(ChangesBase):
 
     async def publish(self, node: Inode, *, fsynced: bool = False, background: bool = True) -> None:
         """Append the put of the file's bytes as they are now; S3 gets them in their turn."""
-        if not node.dirty or node.unlinked or node.staged is None:
-            return
-        if node.write_error:
-            raise Refused(node.write_error)
-        staged = node.staged
-        key = self.table.key_of(node)
-        # No object at the name before this put: a rename right after may retarget it.
-        fresh = not node.has_object
-        rec = Record(os.path.basename(staged.path), key, True, node.size, object_metadata(node),
-                     fsynced=fsynced, part_size=self.uploader.plan.base_size)
-        clock = node.clock
-        up = node.upload  # the parts streamed while it was written: the entry takes them over
+        async with node.upload_lock:  # two FLUSHes at once append one put, not two
+            if not node.dirty or node.unlinked or node.staged is None:
+                return
+            if node.write_error:
+                raise Refused(node.write_error)
+            staged = node.staged
+            key = self.table.key_of(node)
+            # No object at the name before this put: a rename right after may retarget it.
+            fresh = not node.has_object
+            rec = Record(os.path.basename(staged.path), key, True, node.size, object_metadata(node),
+                         fsynced=fsynced, part_size=self.uploader.plan.base_size)
+            clock = node.clock
+            up = node.upload  # the parts streamed while it was written: the entry takes them over
+            appended = False
 
-        def effect() -> None:
+            def effect() -> None:
+                nonlocal appended
+                appended = True
+                node.pending += 1
+                if node.clock == clock:
+                    node.dirty = False
+                if node.upload is up:  # (a write meanwhile moved to a copy, with its own upload)
+                    # The inode's next bytes (a copy, files.py) get an upload of their own.
+                    node.upload = FileUpload(clock=up.clock)
+
+            # Held from here, not from the append: a write that comes while the record is
+            # journaled goes to a copy (files._unshare), so the put publishes the file as it
+            # was at this call, never with part of a later write in it.
             staged.held = True
-            node.pending += 1
-            if node.clock == clock:
-                node.dirty = False
-            # The inode's next bytes (a copy, files.py) get an upload of their own.
-            node.upload = FileUpload(clock=up.clock)
-
-        await self.log.append(rec, self.table.path_of(node), staged=staged, owner=node,
-                              on_done=self._entry_done, fresh=fresh, effect=effect, up=up)
+            try:
+                await self.log.append(rec, self.table.path_of(node), staged=staged, owner=node,
+                                      on_done=self._entry_done, fresh=fresh, effect=effect, up=up)
+            finally:
+                if not appended:
+                    staged.held = False
+                    if node.staged is not staged:  # a write moved to a copy: nothing uses it
+                        staged.remove()
 
     def _entry_done(self, entry: Entry, etag: str | None) -> None:
         """S3 has applied a log entry about this inode (its `owner`)."""

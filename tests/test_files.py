@@ -196,3 +196,73 @@ async def test_an_answer_from_s3_never_shows_a_version_older_than_the_mount_just
             assert node.etag != '"e1"'
             answer.set()
         assert found == [node] and node.size == SYMLINK_MAX * 3 and node.etag == s3.etags["p/f"]
+
+
+def gate_journal(mount: Mount) -> tuple[trio.Event, trio.Event]:
+    """Hold the log's journal writes (an append) until `go` is set; `waiting` says one waits."""
+    waiting, go = trio.Event(), trio.Event()
+    write = mount.log._write
+
+    async def held(rec):  # type: ignore[no-untyped-def]
+        waiting.set()
+        await go.wait()
+        await write(rec)
+    mount.log._write = held  # type: ignore[method-assign]
+    return waiting, go
+
+
+async def test_a_write_racing_a_close_goes_into_the_next_put_not_the_one_close_appended(
+        tmp_path: Path) -> None:
+    """A second writer of a file writes while the first one's close is appending the put (its
+    journal write). The put must publish the file as it was at that close, never with part of
+    the later write in it: S3 shows only states the file had."""
+    s3 = MemoryS3()
+    puts = gate_puts(s3)
+    async with mounted(tmp_path, s3, "async") as mount:
+        node = mount.files.create(mount.fs.table[ROOT_INODE], "f", 0o644, 0, 0)
+        await mount.files.write(node, 0, b"a" * 100)
+        waiting, go = gate_journal(mount)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mount.files.close, node, None)
+            with trio.fail_after(10):
+                await waiting.wait()
+            await mount.files.write(node, 50, b"b" * 100)  # the other writer, meanwhile
+            go.set()
+        assert node.dirty and node.size == 150
+        puts.set()
+        with trio.fail_after(10):
+            await mount.log.drain()
+        assert s3.objects["p/f"] == b"a" * 100  # not a * 50 + b * 50: the file never held that
+        await mount.files.close(node, None)
+        await mount.files.release(node, writable=True)
+        with trio.fail_after(10):
+            await mount.log.drain()
+        assert len(staged_files(tmp_path)) <= 1
+    assert s3.objects["p/f"] == b"a" * 50 + b"b" * 100
+
+
+async def test_two_closes_at_once_append_one_put(tmp_path: Path) -> None:
+    """Two handles of a file written in parts close at the same moment (two FLUSHes). Only
+    one put is appended, with the parts streamed during the write (two puts both took over
+    the one multipart upload, and published the same bytes twice)."""
+    s3 = MemoryS3()
+    async with mounted(tmp_path, s3, "async") as mount:
+        part = mount.uploader.plan.base_size
+        data = os.urandom(2 * part + 1000)
+        node = mount.files.create(mount.fs.table[ROOT_INODE], "f", 0o644, 0, 0)
+        await mount.files.open_for_write(node, False)  # a second handle
+        await mount.files.write(node, 0, data)
+        waiting, go = gate_journal(mount)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mount.files.close, node, None)
+            nursery.start_soon(mount.files.close, node, None)
+            with trio.fail_after(10):
+                await waiting.wait()
+            await trio.sleep(0.05)
+            go.set()
+        assert node.pending <= 1 and len(mount.log) <= 1
+        with trio.fail_after(10):
+            await mount.log.drain()
+        for _ in range(2):
+            await mount.files.release(node, writable=True)
+    assert s3.objects["p/f"] == data
