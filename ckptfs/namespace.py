@@ -154,8 +154,14 @@ class Namespace:
         inode.atime_ns = max(inode.atime_ns, inode.mtime_ns)
 
     async def reload(self, inode: Inode, key: str | None = None) -> None:
-        """HEAD the file's object (at `key`; by default its own name) and take its attributes."""
-        self.apply_object(inode, await self.s3.head(key or self.table.key_of(inode)), True)
+        """HEAD the file's object (at `key`; by default its own name) and take its attributes,
+        unless the mount changed the file while S3 answered (a writer opened it, the log put
+        a new version): that answer predates the mount's own state (as in `_lookup_in_s3`)."""
+        was_local, etag_before = inode.is_local, inode.etag
+        info = await self.s3.head(key or self.table.key_of(inode))
+        if inode.etag != etag_before or (inode.is_local and not was_local):
+            return
+        self.apply_object(inode, info, True)
 
     async def symlink_target(self, inode: Inode) -> bytes:
         if inode.symlink_target is None:

@@ -150,6 +150,30 @@ async def test_an_answer_from_s3_never_overrules_a_write_made_while_it_was_on_it
     assert s3.objects["p/f"] == b"a" * 100 + b"b" * 200
 
 
+async def test_a_stat_answered_by_s3_never_shrinks_a_file_written_meanwhile(tmp_path: Path) -> None:
+    """stat() of a clean file past the TTL HEADs it; before S3 answers, a writer opens the
+    file and makes it longer. The old size must not replace the new one (close would then
+    upload only the old size's bytes)."""
+    s3 = MemoryS3()
+    s3._store("p/f", b"a" * 100, {}, "put", '"e1"')
+    async with mounted(tmp_path, s3, "close") as mount:
+        node = await mount.fs.ns.lookup(mount.fs.table[ROOT_INODE], "f")
+        assert node is not None and node.size == 100
+        node.validated_at = 0.0  # past the TTL: getattr asks S3
+        answer = trio.Event()
+        hold(s3, "head", answer)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mount.fs.getattr, node.ino, None)
+            await trio.sleep(0.05)
+            await mount.files.open_for_write(node, False)
+            await mount.files.write(node, 100, b"b" * 200)
+            answer.set()
+        assert node.size == 300
+        await mount.files.close(node, None)
+        await mount.files.release(node, writable=True)
+    assert s3.objects["p/f"] == b"a" * 100 + b"b" * 200
+
+
 @pytest.mark.parametrize("asked_by", ["head", "listing"])
 async def test_an_answer_from_s3_never_shows_a_version_older_than_the_mount_just_wrote(
         tmp_path: Path, asked_by: str) -> None:
