@@ -16,7 +16,9 @@ SCHED_IDLE while the files are written (on a small host the server's ingest take
 the FUSE thread), and a bare pyfuse3 sink (bench/sink.py: only pwrites, writeback cache on), the
 limit of any pyfuse3 write path, alone and while ckptfs's own uploader (bench/uploader.py,
 another process) sends the same bytes from local files: the limit of a write path that
-streams parts while the ranks write, on this host. It prints seconds,
+streams parts while the ranks write, on this host. With `--awscrt DIR` (see
+bench/crt_upload.py) awscrt's native S3 client uploads the same files too, for the CPU per
+GiB of an upload outside Python. It prints seconds,
 MiB/s, the acceptance ratios, and for every ckptfs row the daemon's CPU seconds per GiB
 (from /proc) and peak RSS, beside the raw client's CPU per GiB in the same run; the async
 rows also give the CPU the FUSE thread and the other threads spent while the files were
@@ -69,6 +71,7 @@ class Row:
     size: int
     note: str = ""
     round: int = 0
+    cpu_per_gib: float | None = None  # the client's or daemon's CPU seconds per GiB
 
     @property
     def mib_s(self) -> float:
@@ -211,6 +214,8 @@ class Bench:
         self.rows: list[Row] = []
         self.daemon_stats: dict[str, str] = {}
         self.ckptfs_args: list[str] = []
+        self.awscrt = ""  # a directory holding awscrt, for row l
+        self.round = 0
         self._n = 0
 
     def path(self, name: str) -> str:
@@ -305,7 +310,7 @@ class Bench:
         cpu = time.process_time() - cpu0
         method = "b. boto3 upload_file (tuned)" + (f" x {copies} in parallel" if copies > 1 else "")
         self.rows.append(Row(workload, method, seconds, size,
-                             f"client {cpu / (size / GiB):.2f} CPU s/GiB"))
+                             f"client {cpu / (size / GiB):.2f} CPU s/GiB", cpu_per_gib=cpu / (size / GiB)))
 
     def sink(self, workload: str, write: Callable[[str], None], size: int,
              uploads: list[str] | None = None) -> None:
@@ -345,7 +350,7 @@ class Bench:
                 method = "k. sink while ckptfs's uploader sends the same bytes (close)"
             else:
                 method = "i. bare pyfuse3 sink (pwrite only; close)"
-            self.rows.append(Row(workload, method, seconds, size, note))
+            self.rows.append(Row(workload, method, seconds, size, note, cpu_per_gib=cpu / (size / GiB)))
         finally:
             if uploader and uploader.poll() is None:
                 uploader.kill()
@@ -353,6 +358,24 @@ class Bench:
             unmount(mnt)
             proc.wait(30)
             shutil.rmtree(staging, ignore_errors=True)
+
+    def crt_upload(self, workload: str, srcs: list[str], size: int) -> None:
+        """awscrt's native S3 client (bench/crt_upload.py, another process) PUTs the files from
+        disk: the CPU per GiB of the upload side alone, for a client outside Python. Only
+        with --awscrt (it is not a dependency of ckptfs, see crt_upload.py)."""
+        if not self.awscrt:
+            return
+        server_idle()  # boto3's uploads just before keep the server busy for a while
+        r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "crt_upload.py"),
+                            self.server.endpoint, self.server.bucket, f"crt-{self._n}", *srcs],
+                           env=self.env | {"PYTHONPATH": self.awscrt}, capture_output=True, text=True,
+                           timeout=600)
+        self._n += 1
+        if r.returncode:
+            raise RuntimeError(f"bench/crt_upload.py failed: {r.stderr.strip()[-500:]}")
+        seconds, cpu = (float(x) for x in r.stdout.split())
+        self.rows.append(Row(workload, "l. awscrt PutObject from the file (native client)", seconds, size,
+                             f"client {cpu / (size / GiB):.2f} CPU s/GiB", cpu_per_gib=cpu / (size / GiB)))
 
     def raw_upload(self, workload: str, src: str, size: int) -> None:
         """The server's ingest bound: ckptfs's own requests (16 MiB parts, 8 at a time, CRC32,
@@ -449,15 +472,24 @@ class Bench:
                 self.rows.append(Row(workload, "j. ckptfs async mode (close; S3 server SCHED_IDLE)",
                                      closed, size, stall_note))
             elif durability == "close":
-                self.rows.append(Row(workload, "f. ckptfs close mode (close = in S3)", closed, size, note))
+                self.rows.append(Row(workload, "f. ckptfs close mode (close = in S3)", closed, size, note,
+                                     cpu_per_gib=cpu / (size / GiB)))
             else:
                 self.rows.append(Row(workload, "g. ckptfs async mode (close)", closed, size, stall_note))
-                self.rows.append(Row(workload, "g. ckptfs async mode (until sync returns)", durable, size, note))
+                self.rows.append(Row(workload, "g. ckptfs async mode (until sync returns)", durable, size, note,
+                                     cpu_per_gib=cpu / (size / GiB)))
         finally:
             subprocess.run([sys.executable, "-m", "ckptfs", "unmount", mnt], env=self.env,
                            capture_output=True)
             unmount(mnt)
             shutil.rmtree(cache, ignore_errors=True)
+
+    def ckptfs_both(self, workload: str, write: Callable[[str], None], size: int) -> None:
+        """Close mode and async mode, in turn; every other round async mode goes first, so
+        neither is always the one that runs on a server the other has just filled."""
+        modes = ["close", "async"] if self.round % 2 == 0 else ["async", "close"]
+        for durability in modes:
+            self.ckptfs(workload, write, size, durability=durability)
 
     def s3fs(self, workload: str, write: Callable[[str], None], size: int) -> None:
         mnt = self.path("s3fs-mnt")
@@ -532,14 +564,14 @@ def run_workload(bench: Bench, workload: str, write: Callable[[str], None], skip
     size = os.path.getsize(local)
     bench.rows[-1].size = size
     bench.boto_upload(workload, local, size)
+    bench.crt_upload(workload, [local], size)
     bench.raw_upload(workload, local, size)
     os.unlink(local)
     bench.save_then_upload(workload, write, size)
     if not skip_peers:
         bench.s3fs(workload, write, size)
         bench.rclone(workload, write, size)
-    bench.ckptfs(workload, write, size)
-    bench.ckptfs(workload, write, size, durability="async")
+    bench.ckptfs_both(workload, write, size)
 
 
 def run_writers(bench: Bench, src: str, n: int, only_ckptfs: bool) -> None:
@@ -552,10 +584,10 @@ def run_writers(bench: Bench, src: str, n: int, only_ckptfs: bool) -> None:
     bench.rows[-1].method = "a. local disk (write+fsync+close)"
     if not only_ckptfs:
         bench.boto_upload(workload, src, size, copies=n)
+        bench.crt_upload(workload, [src] * n, size)
     bench.sink(workload, write, size)
     bench.sink(workload, write, size, uploads=[src] * n)
-    bench.ckptfs(workload, write, size)
-    bench.ckptfs(workload, write, size, durability="async")
+    bench.ckptfs_both(workload, write, size)
     bench.ckptfs(workload, write, size, durability="async", idle_server=True)
 
 
@@ -564,8 +596,7 @@ def run_ckptfs_only(bench: Bench, workload: str, write: Callable[[str], None]) -
     size = os.path.getsize(local)
     bench.rows[-1].size = size
     os.unlink(local)
-    bench.ckptfs(workload, write, size)
-    bench.ckptfs(workload, write, size, durability="async")
+    bench.ckptfs_both(workload, write, size)
 
 
 def report(bench: Bench) -> str:
@@ -629,6 +660,16 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float]]:
         out.append(("ckptfs async close / local disk = {:.2f} (target <= 1.5)", g / a))
     if durable and f:
         out.append(("ckptfs async until sync / close mode = {:.2f} (target <= 1.0)", durable / f))
+    # CPU per GiB against boto3 upload_file's for the same bytes (issue 17's target: 0.4).
+    cpu = {r.method[:2] + ("sync" if r.method.endswith("(until sync returns)") else ""): r.cpu_per_gib
+           for r in rows if r.cpu_per_gib}
+    boto = cpu.get("b.")
+    if boto:
+        for label, k in (("ckptfs close mode", "f."), ("ckptfs async mode (until sync)", "g.sync"),
+                         ("the bare sink alone", "i."), ("awscrt's native client alone", "l.")):
+            if k in cpu:
+                target = " (target <= 0.4)" if k in ("f.", "g.sync") else ""
+                out.append((f"CPU per GiB: {label} / boto3 = {{:.2f}}{target}", cpu[k] / boto))
     return out
 
 
@@ -668,8 +709,7 @@ def run_round(bench: Bench, args: argparse.Namespace, work: str) -> None:
         workload = f"checkpoint-7x{args.checkpoint_mib}MiB"
         write = bench.checkpoint_writer(src, 7)
         size = bench.local_tree(workload, write)
-        bench.ckptfs(workload, write, size)
-        bench.ckptfs(workload, write, size, durability="async")
+        bench.ckptfs_both(workload, write, size)
         os.unlink(src)
         print(report(bench), flush=True)
     if args.torch_gib:
@@ -698,11 +738,16 @@ def main() -> int:
     ap.add_argument("--ckptfs-args", default="", help='more options for ckptfs mount, e.g. "--concurrency 16"')
     ap.add_argument("--tls", action="store_true",
                     help="S3 over HTTPS (TLS in user space, as on AWS); the peers are not run")
+    ap.add_argument("--awscrt", default="", metavar="DIR",
+                    help="a directory awscrt was installed into (pip install --target DIR awscrt): "
+                         "adds its native client's upload as row l")
     ap.add_argument("--rounds", type=int, default=1,
                     help="times every row is measured, in turn (the report gives medians)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.awscrt and not os.path.isdir(os.path.join(args.awscrt, "awscrt")):
+        ap.error(f"--awscrt: no awscrt in {args.awscrt} (pip install --target {args.awscrt} awscrt)")
     args.skip_peers = args.skip_peers or args.tls
     if not args.skip_peers:
         missing = [t for t in ("s3fs", "rclone") if shutil.which(t) is None]
@@ -714,9 +759,11 @@ def main() -> int:
     server = start_server(work, args.tls)
     bench = Bench(work, server)
     bench.ckptfs_args = shlex.split(args.ckptfs_args)
+    bench.awscrt = args.awscrt
     try:
         for rnd in range(args.rounds):
             start = len(bench.rows)
+            bench.round = rnd
             if args.rounds > 1:
                 print(f"round {rnd + 1} of {args.rounds}", flush=True)
             run_round(bench, args, work)
