@@ -665,11 +665,11 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float]]:
            for r in rows if r.cpu_per_gib}
     boto = cpu.get("b.")
     if boto:
-        for label, k in (("ckptfs close mode", "f."), ("ckptfs async mode (until sync)", "g.sync"),
-                         ("the bare sink alone", "i."), ("awscrt's native client alone", "l.")):
-            if k in cpu:
-                target = " (target <= 0.4)" if k in ("f.", "g.sync") else ""
-                out.append((f"CPU per GiB: {label} / boto3 = {{:.2f}}{target}", cpu[k] / boto))
+        for label, row in (("ckptfs close mode", "f."), ("ckptfs async mode (until sync)", "g.sync"),
+                           ("the bare sink alone", "i."), ("awscrt's native client alone", "l.")):
+            if row in cpu:
+                target = " (target <= 0.4)" if row in ("f.", "g.sync") else ""
+                out.append((f"CPU per GiB: {label} / boto3 = {{:.2f}}{target}", cpu[row] / boto))
     return out
 
 
@@ -746,6 +746,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.awscrt and args.tls:
+        ap.error("--awscrt runs over plain HTTP only; leave out --tls")
     if args.awscrt and not os.path.isdir(os.path.join(args.awscrt, "awscrt")):
         ap.error(f"--awscrt: no awscrt in {args.awscrt} (pip install --target {args.awscrt} awscrt)")
     args.skip_peers = args.skip_peers or args.tls
