@@ -111,7 +111,7 @@ class DirectChanges(ChangesBase):
         if node.etag is None:
             return
         async with node.upload_lock:
-            node.etag = await self.s3.copy(key, key, node.size, object_metadata(node))
+            node.etag = await self.s3.copy(key, key, node.size, object_metadata(node), etag=node.etag)
             node.validated_at = time.monotonic()
 
     async def create(self, node: Inode, body: bytes) -> None:
@@ -176,7 +176,7 @@ async def _rename_object(s3: S3, table: InodeTable, cache: ObjectCache, src: Ino
         old_key = table.key_of(src)
         if src.etag is not None:
             old_etag = src.etag
-            src.etag = await s3.copy(old_key, new_key, src.size)
+            src.etag = await s3.copy(old_key, new_key, src.size, etag=old_etag)
             await s3.delete(old_key)
             if not src.is_local:
                 cache.rekey(old_key, old_etag, new_key, src.etag)
@@ -192,17 +192,17 @@ async def _rename_dir(s3: S3, table: InodeTable, src: Inode, new_prefix: str) ->
     objects = await s3.list_keys(old_prefix)
     new_etags: dict[str, str] = {}
 
-    async def move_one(key: str, size: int) -> None:
+    async def move_one(key: str, size: int, etag: str) -> None:
         rest = key[len(old_prefix):]
         if key.endswith("/"):  # a directory marker: some stores cannot copy those
             info = await s3.head(key)
             await s3.put(new_prefix + rest, b"", info.metadata)
         else:
-            new_etags[rest] = await s3.copy(key, new_prefix + rest, size)
+            new_etags[rest] = await s3.copy(key, new_prefix + rest, size, etag=etag)
 
     async with trio.open_nursery() as nursery:
         for obj in objects:
-            nursery.start_soon(move_one, obj.key, obj.size)
+            nursery.start_soon(move_one, obj.key, obj.size, obj.etag)
     if old_prefix not in {o.key for o in objects}:
         await s3.put(new_prefix, b"", object_metadata(src))  # keep even an empty implicit dir
     await s3.delete_many([o.key for o in objects])

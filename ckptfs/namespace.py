@@ -20,18 +20,20 @@ import trio
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
 from ckptfs.masks import Masks, no_masks
-from ckptfs.s3types import S3, ListPage, ObjectInfo
+from ckptfs.s3types import MARKED_MAX, S3, ListPage, ObjectInfo, is_marked
 
 log = logging.getLogger(__name__)
 
 NAME_MAX = 255
 KEY_MAX = 1024
 # A listing HEADs the objects it has not seen with metadata whose type may differ from a plain
-# file's, which only their metadata tells: every empty one (a fifo, socket or device), and
-# those smaller than a symlink's longest target while a directory has at most SMALL_HEADS of
-# them (a `latest` link beside a checkpoint's few small files). A directory of thousands of
-# tiny files is listed with its LIST pages alone; a symlink there shows as a file until looked up.
-SYMLINK_MAX = 4095
+# file's, which only their metadata tells: every small marked one (s3types: ckptfs writes
+# symlinks and special files as one-part multipart uploads, so their LIST entries show it),
+# and, for symlinks and special files an older ckptfs wrote unmarked, every small unmarked
+# one while a directory has at most SMALL_HEADS of them. A directory of thousands of tiny
+# files is listed with its LIST pages alone; only an unmarked symlink there shows as a file
+# until looked up.
+SYMLINK_MAX = MARKED_MAX
 SMALL_HEADS = 64
 
 
@@ -363,10 +365,11 @@ class Namespace:
         def known(name: str, info: ObjectInfo) -> bool:  # or owned by the mount: not asked
             c = self.table.child(directory.ino, name)
             return c is not None and (c.is_local or (c.meta_known and c.etag == info.etag))
-        unknown = [(n, info.size) for n, info in files.items()
+        unknown = [(n, info) for n, info in files.items()
                    if info.size <= SYMLINK_MAX and not known(n, info)]
-        few = sum(1 for _, size in unknown if size > 0) <= SMALL_HEADS
-        names = [n for n, size in unknown if size == 0 or few]
+        marked = [n for n, info in unknown if is_marked(info.etag, info.size)]
+        plain = [n for n, info in unknown if not is_marked(info.etag, info.size)]
+        names = marked + (plain if len(plain) <= SMALL_HEADS else [])
         headed: dict[str, ObjectInfo] = {}
         limit = trio.CapacityLimiter(16)
 

@@ -93,8 +93,8 @@ async def apply_op(s3: S3, rec: Record, deadline: float) -> str | None:
         return await s3.put(rec.key, body, rec.metadata, deadline)
     if rec.op == "meta":
         try:
-            size = (await s3.head(rec.key, deadline=deadline)).size
-            return await s3.copy(rec.key, rec.key, size, rec.metadata, deadline)
+            info = await s3.head(rec.key, deadline=deadline)
+            return await s3.copy(rec.key, rec.key, info.size, rec.metadata, deadline, etag=info.etag)
         except NoSuchKey:
             log.warning("new metadata for %s: the object is gone from S3", rec.key)
             return None
@@ -104,8 +104,8 @@ async def apply_op(s3: S3, rec: Record, deadline: float) -> str | None:
         etag: str | None = None
         try:
             # The size the object has now, in its turn (objects over 5 GiB copy in parts).
-            size = (await s3.head(src, deadline=deadline)).size
-            etag = await s3.copy(src, rec.key, size, deadline=deadline)
+            info = await s3.head(src, deadline=deadline)
+            etag = await s3.copy(src, rec.key, info.size, deadline=deadline, etag=info.etag)
         except NoSuchKey:
             # Replayed after a crash between its copy and its delete: the copy is in place.
             log.info("rename of %s to %s: the source is gone, the copy was made before", src, rec.key)

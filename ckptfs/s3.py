@@ -34,7 +34,7 @@ from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import LocalWriteError, NoSuchKey, S3Error
 from ckptfs.parts import GiB
 from ckptfs.retry import RetryPolicy
-from ckptfs.s3types import ListPage, ObjectInfo
+from ckptfs.s3types import ListPage, ObjectInfo, is_marked, needs_mark
 
 log = logging.getLogger(__name__)
 
@@ -336,10 +336,30 @@ class S3Client:
 
     async def put(self, key: str, body: bytes, metadata: dict[str, str],
                   deadline: float | None = None) -> str:
-        """PutObject with a CRC32 the server verifies and keeps as the object's checksum."""
+        """PutObject with a CRC32 the server verifies and keeps as the object's checksum; a
+        symlink or special file goes up marked (s3types.needs_mark)."""
+        if needs_mark(metadata):
+            return await self._put_one_part(key, body, metadata, deadline)
         r = await self._call("PUT", key, self._c.put_object, deadline, Key=key, Body=body,
                              Metadata=metadata, ChecksumCRC32=b64_crc32(crc32(body)))
         return _etag(r)
+
+    async def _put_one_part(self, key: str, body: bytes, metadata: dict[str, str],
+                            deadline: float | None) -> str:
+        """A multipart upload of one part, so that a LIST entry shows the object marked."""
+        upload_id = await self.create_multipart(key, metadata, deadline=deadline)
+        try:
+            crc = b64_crc32(crc32(body))
+            r = await self._call("UploadPart 1", key, self._c.upload_part, deadline, Key=key,
+                                 UploadId=upload_id, PartNumber=1, Body=body, ChecksumCRC32=crc)
+            return await self.complete_multipart(
+                key, upload_id, [{"ETag": r["ETag"], "PartNumber": 1, "ChecksumCRC32": crc}],
+                crc32(body), deadline)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                with contextlib.suppress(S3Error):
+                    await self.abort_multipart(key, upload_id)
+            raise
 
     async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True,
                                deadline: float | None = None) -> str:
@@ -463,9 +483,11 @@ class S3Client:
                           UploadIdMarker=r.get("NextUploadIdMarker", ""))
 
     async def copy(self, src: str, dst: str, size: int, metadata: dict[str, str] | None = None,
-                   deadline: float | None = None) -> str:
-        """Server-side copy, returning the new ETag; `metadata` replaces the source's when given."""
-        if size <= COPY_LIMIT:
+                   deadline: float | None = None, etag: str | None = None) -> str:
+        """Server-side copy, returning the new ETag; `metadata` replaces the source's when given.
+        A marked source (its `etag`, s3types.is_marked) is copied in one part: CopyObject
+        would give the copy a plain ETag, and listings would take a symlink for a file."""
+        if size <= COPY_LIMIT and not is_marked(etag, size):
             kwargs: dict[str, Any] = {"Key": dst, "CopySource": {"Bucket": self.bucket, "Key": src}}
             if metadata is not None:
                 kwargs.update(MetadataDirective="REPLACE", Metadata=metadata)
@@ -479,14 +501,14 @@ class S3Client:
 
             async def one(number: int, start: int) -> None:
                 end = min(start + COPY_PART_SIZE, size) - 1
+                ranged = {"CopySourceRange": f"bytes={start}-{end}"} if size else {}  # (empty)
                 r = await self._call("UploadPartCopy", dst, self._c.upload_part_copy, Key=dst,
                                      UploadId=upload_id, PartNumber=number,
-                                     CopySource={"Bucket": self.bucket, "Key": src},
-                                     CopySourceRange=f"bytes={start}-{end}")
+                                     CopySource={"Bucket": self.bucket, "Key": src}, **ranged)
                 parts.append({"ETag": r["CopyPartResult"]["ETag"], "PartNumber": number})
 
             async with trio.open_nursery() as nursery:
-                for i, start in enumerate(range(0, size, COPY_PART_SIZE)):
+                for i, start in enumerate(range(0, size, COPY_PART_SIZE) or [0]):
                     nursery.start_soon(one, i + 1, start)
             parts.sort(key=lambda p: p["PartNumber"])
             return await self.complete_multipart(dst, upload_id, parts)

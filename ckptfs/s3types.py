@@ -8,6 +8,8 @@ call's `deadline` (trio time; by default the client's own timeout from now).
 
 from __future__ import annotations
 
+import re
+import stat
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -15,6 +17,27 @@ from typing import Any, Protocol
 import trio
 
 from ckptfs.retry import RetryPolicy
+
+# A symlink or special file (fifo, socket, device) is a small object whose kind only its
+# metadata tells, and a LIST entry carries no metadata. Written as a multipart upload of one
+# part, its ETag ends in "-1", which an object that small PUT in one request never has: a
+# listing then knows which small objects to HEAD ("marked"), and every other one is a file.
+MARKED_MAX = 4095  # the longest symlink target
+_MULTIPART_ETAG = re.compile(r'-[0-9]+"?$')
+_MARKED_KINDS = (stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK)
+
+
+def needs_mark(metadata: dict[str, str] | None) -> bool:
+    """An object of this metadata is written marked (a symlink or special file)."""
+    try:
+        return stat.S_IFMT(int((metadata or {}).get("mode", "0"))) in _MARKED_KINDS
+    except ValueError:
+        return False
+
+
+def is_marked(etag: str | None, size: int) -> bool:
+    """A small object written as a multipart upload: a symlink or special file, most likely."""
+    return etag is not None and size <= MARKED_MAX and _MULTIPART_ETAG.search(etag) is not None
 
 
 @dataclass(frozen=True)
@@ -88,7 +111,7 @@ class S3(Protocol):
     async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]: ...
 
     async def copy(self, src: str, dst: str, size: int, metadata: dict[str, str] | None = None,
-                   deadline: float | None = None) -> str: ...
+                   deadline: float | None = None, etag: str | None = None) -> str: ...
 
     async def delete(self, key: str, deadline: float | None = None) -> None: ...
 

@@ -12,6 +12,7 @@ from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.masks import Masks
 from ckptfs.namespace import SMALL_HEADS, Namespace, valid_name
+from ckptfs.s3types import is_marked
 from ckptfs.s3types import ListPage, ObjectInfo
 from fakes3 import MemoryS3
 
@@ -239,13 +240,31 @@ async def test_a_listing_shows_a_symlink_written_elsewhere_as_a_symlink() -> Non
     assert len([k for op, k in s3.requests if op == "HEAD"]) == 2  # known now: no HEAD again
 
 
-async def test_a_listing_of_many_tiny_files_costs_no_head_but_empty_objects_still_do() -> None:
+async def test_a_listing_of_many_tiny_files_heads_only_the_marked_ones() -> None:
+    """Among more than SMALL_HEADS tiny files, a listing HEADs only the objects ckptfs wrote
+    marked (symlinks and special files, s3types.is_marked): the symlink shows as a symlink
+    at once, and empty plain files (touch) cost no HEAD. Before: the symlink showed as a
+    file, and every empty object was HEADed."""
     s3 = MemoryS3()
     for i in range(SMALL_HEADS + 1):
         await s3.put(f"p/s{i:03d}", b"x", {})
+    await s3.put("p/touched", b"", {})
     await s3.put("p/fifo", b"", {"mode": str(stat.S_IFIFO | 0o600)})
+    await s3.put("p/latest", b"step_1000", {"mode": str(stat.S_IFLNK | 0o777)})
     table = InodeTable("p/", 0, 0)
     ns = Namespace(s3, table, 0, 0, ttl=1.0)  # type: ignore[arg-type]
-    entries = await ns.list_dir(table[ROOT_INODE])
-    assert len(entries) == SMALL_HEADS + 2
-    assert [k for op, k in s3.requests if op == "HEAD"] == ["p/fifo"]
+    entries = {e.name: e for e in await ns.list_dir(table[ROOT_INODE])}
+    assert len(entries) == SMALL_HEADS + 4
+    assert sorted(k for op, k in s3.requests if op == "HEAD") == ["p/fifo", "p/latest"]
+    assert entries["latest"].is_symlink and stat.S_ISFIFO(entries["fifo"].mode)
+    assert stat.S_ISREG(entries["touched"].mode) and stat.S_ISREG(entries["s000"].mode)
+
+
+async def test_a_renamed_symlink_stays_marked() -> None:
+    """A rename copies the object: a plain CopyObject would make its ETag plain, and the
+    next listing of a big directory would take the symlink for a file."""
+    s3 = MemoryS3()
+    etag = await s3.put("p/a", b"target", {"mode": str(stat.S_IFLNK | 0o777)})
+    assert is_marked(etag, 6)
+    assert is_marked(await s3.copy("p/a", "p/b", 6, etag=etag), 6)
+    assert not is_marked(await s3.copy("p/b", "p/c", 6), 6)  # what happened before

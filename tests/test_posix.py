@@ -19,6 +19,8 @@ import pytest
 
 from conftest import BUCKET, Mount, Mounter, run_ckptfs, s3_bytes, s3_keys
 
+from ckptfs.namespace import SMALL_HEADS
+
 
 def test_write_close_uploads_and_reads_back(mnt: Mount, s3, prefix: str) -> None:
     data = os.urandom(3 * 1024 * 1024 + 17)
@@ -199,6 +201,32 @@ def test_hard_links_fail_cleanly_and_symlinks_are_objects(mounter: Mounter, s3, 
         "target.ckpt": False, "last.ckpt": True}
     assert os.path.islink(again.path / "last.ckpt")
     assert os.readlink(again.path / "last.ckpt") == "target.ckpt"
+
+
+@pytest.mark.parametrize("durability", ["close", "async"])
+def test_a_listing_among_many_tiny_files_tells_symlinks_and_fifos_even_after_renames(
+        mounter: Mounter, s3, prefix: str, durability: str) -> None:
+    """More small objects than a listing HEADs: the symlink and the fifo are told apart by
+    their LIST entries alone (written marked), also after a rename of each and of their
+    directory, which copy them in S3."""
+    mnt = mounter("--durability", durability)
+    d = mnt.path / "run"
+    d.mkdir()
+    for i in range(SMALL_HEADS + 2):
+        (d / f"rank{i:03d}.json").write_text("{}")
+    os.symlink("step_1000", d / "new")
+    os.rename(d / "new", d / "latest")
+    os.mkfifo(d / "p0", 0o600)
+    os.rename(d / "p0", d / "progress.fifo")
+    os.rename(d, mnt.path / "run2")
+    assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    mnt.unmount()
+    again = mounter()
+    kinds = {e.name: (e.is_symlink(), e.is_file(follow_symlinks=False))
+             for e in os.scandir(again.path / "run2")}
+    assert kinds["latest"] == (True, False) and kinds["rank000.json"] == (False, True)
+    assert stat.S_ISFIFO((again.path / "run2" / "progress.fifo").lstat().st_mode)
+    assert os.readlink(again.path / "run2" / "latest") == "step_1000"
 
 
 @pytest.mark.parametrize("durability", ["close", "async"])
