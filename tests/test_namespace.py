@@ -12,8 +12,7 @@ from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.masks import Masks
 from ckptfs.namespace import SMALL_HEADS, Namespace, valid_name
-from ckptfs.s3types import is_marked
-from ckptfs.s3types import ListPage, ObjectInfo
+from ckptfs.s3types import ListPage, ObjectInfo, is_marked
 from fakes3 import MemoryS3
 
 
