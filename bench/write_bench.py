@@ -330,7 +330,8 @@ class Bench:
                     [sys.executable, os.path.join(os.path.dirname(__file__), "uploader.py"),
                      self.server.endpoint, self.server.bucket, f"sink-up-{self._n}", *uploads],
                     env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                time.sleep(2)  # its imports and client, before the clock starts
+                if uploader.stdout.readline().strip() != "ready":  # its imports and client first
+                    raise RuntimeError(f"bench/uploader.py failed ({uploader.wait()})")
             cpu0 = self._cpu(proc.pid)
             drop_caches()
             t = time.monotonic()
