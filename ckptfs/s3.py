@@ -349,12 +349,13 @@ class S3Client:
         """A multipart upload of one part, so that a LIST entry shows the object marked."""
         upload_id = await self.create_multipart(key, metadata, deadline=deadline)
         try:
-            crc = b64_crc32(crc32(body))
+            crc = crc32(body)
             r = await self._call("UploadPart 1", key, self._c.upload_part, deadline, Key=key,
-                                 UploadId=upload_id, PartNumber=1, Body=body, ChecksumCRC32=crc)
+                                 UploadId=upload_id, PartNumber=1, Body=body,
+                                 ChecksumCRC32=b64_crc32(crc))
             return await self.complete_multipart(
-                key, upload_id, [{"ETag": r["ETag"], "PartNumber": 1, "ChecksumCRC32": crc}],
-                crc32(body), deadline)
+                key, upload_id,
+                [{"ETag": r["ETag"], "PartNumber": 1, "ChecksumCRC32": b64_crc32(crc)}], crc, deadline)
         except BaseException:
             with trio.CancelScope(shield=True):
                 with contextlib.suppress(S3Error):
