@@ -268,7 +268,8 @@ async def test_a_write_racing_a_close_goes_into_the_next_put_not_the_one_close_a
 async def test_two_closes_at_once_append_one_put(tmp_path: Path) -> None:
     """Two handles of a file written in parts close at the same moment (two FLUSHes). Only
     one put is appended, with the parts streamed during the write (two puts both took over
-    the one multipart upload, and published the same bytes twice)."""
+    the one multipart upload: the second found it completed, NoSuchUpload, and published
+    the same bytes again)."""
     s3 = MemoryS3()
     async with mounted(tmp_path, s3, "async") as mount:
         part = mount.uploader.plan.base_size
@@ -290,3 +291,4 @@ async def test_two_closes_at_once_append_one_put(tmp_path: Path) -> None:
         for _ in range(2):
             await mount.files.release(node, writable=True)
     assert s3.objects["p/f"] == data
+    assert [k for _, k in s3.visible].count("p/f") == 1  # published once
