@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -119,6 +120,9 @@ class InodeTable:
         self._by_ino: dict[int, Inode] = {}
         self._children: dict[int, dict[str, int]] = {}
         self._next = itertools.count(ROOT_INODE + 1)
+        # Told of every inode dropped while it still had its name (the kernel forgot it and it
+        # held nothing unsaved): the namespace still vouches for that name (Namespace.dropped).
+        self.on_drop: Callable[[Inode], None] = lambda inode: None
         now = time.time_ns()
         root = Inode(ROOT_INODE, ROOT_INODE, "", stat.S_IFDIR | 0o755, uid, gid,
                      mtime_ns=now, ctime_ns=now, atime_ns=now, meta_known=True)
@@ -205,6 +209,8 @@ class InodeTable:
         siblings = self._children.get(inode.parent, {})
         if siblings.get(inode.name) == inode.ino:
             del siblings[inode.name]
+            if not inode.unlinked:
+                self.on_drop(inode)
 
     def path_of(self, inode: Inode) -> str:
         """The inode's path relative to the mount, '' for the root."""

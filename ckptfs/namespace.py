@@ -95,6 +95,10 @@ class Namespace:
         self.gid = gid
         self.ttl = ttl
         self._listed: dict[int, float] = {}  # dir inode -> when its listing was taken
+        # Entries of a freshly listed (or just made) directory that the kernel forgot since,
+        # by name: the listing still answers for them, with the inode it saw.
+        self._forgotten: dict[int, dict[str, Inode]] = {}
+        table.on_drop = self.dropped
         self._rechecking: dict[int, trio.Event] = {}  # dir inode -> a recheck page in flight
         self._warned: set[str] = set()
         # Names S3 just said do not exist: `stat` of a missing checkpoint in a polling loop,
@@ -111,16 +115,43 @@ class Namespace:
 
     def invalidate_listing(self, dir_ino: int) -> None:
         self._listed.pop(dir_ino, None)
+        self._forgotten.pop(dir_ino, None)
+
+    def _listed_now(self, dir_ino: int) -> None:
+        self._listed[dir_ino] = time.monotonic()
+        self._forgotten.pop(dir_ino, None)  # the table holds every name the listing saw
 
     def made_dir(self, directory: Inode) -> None:
         """The mount just made `directory` where S3 had nothing (its lookup said so): for the
         TTL, as after a listing, a name the table does not know is not in S3 either. A
         checkpoint's files are then created in it without a HEAD and a LIST each."""
-        self._listed[directory.ino] = time.monotonic()
+        self._listed_now(directory.ino)
+
+    def dropped(self, inode: Inode) -> None:
+        """The table let go of a named inode (the kernel forgot it; it held nothing unsaved).
+        A fresh listing of its directory vouches only for the names the table holds, so the
+        inode is kept aside while its directory's listing is the latest word on it: a lookup
+        of its name puts it back, instead of answering ENOENT for a file that exists (or, once
+        the listing is stale, a HEAD and a LIST where one LIST page re-checks it)."""
+        if inode.is_dir:  # what it vouched for was the table's, and that is gone too
+            self.invalidate_listing(inode.ino)
+        if inode.parent in self._listed:
+            self._forgotten.setdefault(inode.parent, {})[inode.name] = inode
+
+    def _child(self, parent: Inode, name: str) -> Inode | None:
+        """The table's child called `name`, or the one the kernel forgot since the listing,
+        put back under its name (the same inode and number)."""
+        child = self.table.child(parent.ino, name)
+        if child is not None:
+            return child
+        forgotten = self._forgotten.get(parent.ino, {}).pop(name, None)
+        return None if forgotten is None else self.table.revive(forgotten)
 
     def forget_absent(self, dir_ino: int, name: str) -> None:
-        """The mount itself just created `name`, or moved something there."""
+        """The mount itself just created `name`, or moved something there: what S3 or a
+        listing said of the name before is history."""
         self._absent.pop((dir_ino, name), None)
+        self._forgotten.get(dir_ino, {}).pop(name, None)
 
     def _warn_once(self, key: str, why: str) -> None:
         if key not in self._warned:
@@ -189,12 +220,12 @@ class Namespace:
 
     async def lookup(self, parent: Inode, name: str) -> Inode | None:
         """The child called `name`, asking S3 unless the table's answer is authoritative or fresh."""
-        child = self.table.child(parent.ino, name)
+        child = self._child(parent, name)
         if child is not None and (child.is_local or self.fresh(child.validated_at)):
             return child
         listed = self._listed.get(parent.ino)
         if listed is not None and self.fresh(listed):
-            return child  # the listing just taken answered for every name in it
+            return child  # the listing answered for every name it saw
         if child is None and (parent.ino, name) in self._absent:
             return None
         key = self.table.key_of(parent) + name
@@ -317,8 +348,9 @@ class Namespace:
             if obj.key[len(dir_key):] and not masked(obj.key):
                 seen.setdefault(obj.key[len(dir_key):], obj)  # a directory wins, as in list_dir
             last = max(last, _sort_key(obj.key))
+        forgotten = self._forgotten.get(parent.ino, {})
         for other, info in seen.items():
-            known = self.table.child(parent.ino, other)
+            known = self.table.child(parent.ino, other) or forgotten.get(other)
             if known is None or known.is_local or other == name or known.is_dir != (info is None):
                 continue
             if info is None:
@@ -391,6 +423,9 @@ class Namespace:
 
     async def _list_dir(self, directory: Inode, masked: Callable[[str], bool]) -> list[Inode]:
         dir_key = self.table.key_of(directory)
+        # An entry the mount made, changed or confirmed after this moment is newer than
+        # anything the listing says (a close-mode close put it in S3 while the LIST was out).
+        asked = time.monotonic()
         dirs: set[str] = set()
         files: dict[str, ObjectInfo] = {}
         async for page in self.s3.list_pages(dir_key):
@@ -417,7 +452,7 @@ class Namespace:
             child = self.table.child(directory.ino, name)
             if name in dirs and name in files:
                 self._warn_once(dir_key + name, "both a file and a directory; showing the directory")
-            if child is not None and child.is_local:
+            if child is not None and (child.is_local or child.validated_at >= asked):
                 pass
             elif name in dirs:
                 if child is None or not child.is_dir:
@@ -434,11 +469,11 @@ class Namespace:
         for child in self.table.children(directory.ino):
             if child.name in seen:
                 continue
-            if child.is_local or masked(self.table.key_of(child)):
+            if child.is_local or child.validated_at >= asked or masked(self.table.key_of(child)):
                 entries.append(child)  # or made again, and applied after the listing was taken
             else:
                 self.table.detach(child)  # gone from S3
-        self._listed[directory.ino] = time.monotonic()
+        self._listed_now(directory.ino)
         entries.sort(key=lambda i: i.name)
         return entries
 

@@ -11,7 +11,7 @@ import trio.testing
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.masks import Masks
-from ckptfs.namespace import SMALL_HEADS, Namespace, valid_name
+from ckptfs.namespace import SMALL_HEADS, SYMLINK_MAX, Namespace, valid_name
 from ckptfs.s3types import ListPage, ObjectInfo, is_marked
 from fakes3 import MemoryS3
 
@@ -267,3 +267,86 @@ async def test_a_renamed_symlink_stays_marked() -> None:
     assert is_marked(etag, 6)
     assert is_marked(await s3.copy("p/a", "p/b", 6, etag=etag), 6)
     assert not is_marked(await s3.copy("p/b", "p/c", 6), 6)  # what happened before
+
+
+async def _forgotten_by_the_kernel(table: InodeTable, inode) -> None:
+    """The kernel looked `inode` up once and has now forgotten it (drop_caches, memory
+    pressure): a clean inode leaves the table."""
+    inode.lookups += 1
+    table.forget(inode.ino, 1)
+    assert table.get(inode.ino) is None
+
+
+async def test_a_listed_name_the_kernel_forgot_is_still_found_without_a_request() -> None:
+    # Issue 34: `ls`, drop_caches, `stat` of a listed file answered ENOENT for up to the
+    # TTL: the fresh listing answered for the name, and the table had dropped it.
+    s3 = MemoryS3()
+    await s3.put("p/model.pt", b"12345", {})
+    await s3.put("p/step/shard.pt", b"123", {})
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(s3, table, 0, 0, ttl=60.0)  # type: ignore[arg-type]
+    root = table[ROOT_INODE]
+    listed = {i.name: i for i in await ns.list_dir(root)}
+    step = listed["step"]
+    (shard,) = await ns.list_dir(step)
+    step.lookups += 1  # the kernel holds the directory (its child is in it)
+    await _forgotten_by_the_kernel(table, listed["model.pt"])
+    await _forgotten_by_the_kernel(table, shard)
+    before = len(s3.requests)
+    found = await ns.lookup(root, "model.pt")
+    assert found is listed["model.pt"] and table.get(found.ino) is found and found.size == 5
+    again = await ns.lookup(step, "shard.pt")
+    assert again is shard and table.child(step.ino, "shard.pt") is shard
+    assert await ns.lookup(root, "absent") is None
+    assert s3.requests[before:] == []  # the listing answered: no HEAD, no LIST
+
+
+async def test_a_forgotten_name_the_mount_made_again_and_removed_stays_removed() -> None:
+    s3 = MemoryS3()
+    await s3.put("p/a", b"old", {})
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(s3, table, 0, 0, ttl=60.0)  # type: ignore[arg-type]
+    root = table[ROOT_INODE]
+    (old,) = await ns.list_dir(root)
+    await _forgotten_by_the_kernel(table, old)
+    ns.forget_absent(ROOT_INODE, "a")  # the mount creates the name anew (files.create) ...
+    new = table.add(ROOT_INODE, "a", old.mode, 0, 0)
+    table.detach(new)  # ... and unlinks it
+    assert await ns.lookup(root, "a") is None
+
+
+async def test_a_file_made_in_a_new_directory_is_found_after_the_kernel_forgot_both() -> None:
+    # A directory the mount just made counts as listed (made_dir): the same hole.
+    s3 = MemoryS3()
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(s3, table, 0, 0, ttl=60.0)  # type: ignore[arg-type]
+    root = table[ROOT_INODE]
+    assert await ns.lookup(root, "step") is None
+    step = table.add(ROOT_INODE, "step", stat.S_IFDIR | 0o755, 0, 0)
+    ns.made_dir(step)
+    assert await ns.lookup(step, "model.pt") is None
+    etag = await s3.put("p/step/model.pt", b"x" * 7, {})  # written and closed (close mode)
+    model = table.add(step.ino, "model.pt", stat.S_IFREG | 0o644, 0, 0, etag=etag, size=7)
+    await _forgotten_by_the_kernel(table, model)
+    found = await ns.lookup(step, "model.pt")
+    assert found is model and found.size == 7
+
+
+async def test_a_forgotten_name_of_a_stale_listing_is_rechecked_with_one_list_page() -> None:
+    # `ls -l` under memory pressure: the kernel forgets entries between the listing and the
+    # stats, which come after the TTL. A name it forgot costs one LIST page (and refreshes
+    # the names after it), as a stale one the table kept does, not a HEAD and a LIST each.
+    s3 = MemoryS3()
+    for i in range(5):
+        await s3.put(f"p/f{i}", b"x" * (SYMLINK_MAX + 1), {})
+    table = InodeTable("p/", 0, 0)
+    ns = Namespace(s3, table, 0, 0, ttl=0.05)  # type: ignore[arg-type]
+    root = table[ROOT_INODE]
+    listed = await ns.list_dir(root)
+    for inode in listed:
+        await _forgotten_by_the_kernel(table, inode)
+    await trio.sleep(0.1)
+    before = len(s3.requests)
+    for i in range(5):
+        assert await ns.lookup(root, f"f{i}") is listed[i]
+    assert [op for op, _ in s3.requests[before:]] == ["LIST"]
