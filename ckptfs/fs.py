@@ -221,7 +221,9 @@ class CheckpointFS(pyfuse3.Operations):
             node.atime_ns = attr.st_atime_ns
         if fields.update_ctime:
             node.ctime_ns = attr.st_ctime_ns  # the kernel's own (writeback cache)
-        elif meta_changed:
+        elif meta_changed or fields.update_atime:
+            # Any change of the inode's times is one of its status (`touch -a` of a directory:
+            # the kernel sends the ctime of files itself, never of directories).
             node.ctime_ns = time.time_ns()
         if meta_changed:
             await self.tree.metadata(node)

@@ -536,3 +536,17 @@ def test_replacing_a_file_keeps_the_new_files_mode(mounter: Mounter, s3, prefix:
     fresh = mounter()
     assert stat.S_IMODE((fresh.path / "a.pt").stat().st_mode) == 0o600
     assert (fresh.path / "a.pt").read_bytes() == b"new"
+
+
+def test_touch_a_of_a_directory_changes_its_ctime_as_of_a_file(mnt: Mount) -> None:
+    # Found by s3fs-fuse's own suite: the kernel sends a file's ctime with an atime-only
+    # SETATTR, never a directory's, so the directory's ctime stood still.
+    for path in (mnt.path / "d", mnt.path / "f"):
+        path.mkdir() if path.name == "d" else path.write_bytes(b"x")
+        before = os.stat(path)
+        time.sleep(0.05)
+        subprocess.run(["touch", "-a", "-d", "2001-02-03 04:05:06", str(path)], check=True)
+        after = os.stat(path)
+        assert after.st_atime_ns != before.st_atime_ns, path
+        assert after.st_ctime_ns > before.st_ctime_ns, path
+
