@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,72 @@ def test_foreground_mode_serves_until_unmounted(s3_server: S3Server, tmp_path: P
         if is_mount(str(mp)):
             subprocess.run(["fusermount3", "-uz", str(mp)])
     assert not os.listdir(mp)
+
+
+# ----- /etc/fstab: mount.ckptfs, called as mount(8) calls it ------------------------
+
+def mount_helper(*args: str, endpoint: str | None = None) -> subprocess.CompletedProcess:
+    """`mount.ckptfs SOURCE DIR -o OPTIONS`, as mount(8) runs it for a `ckptfs` fstab line
+    (the venv's entry point: on a host, /sbin/mount.ckptfs links to it)."""
+    helper = Path(sys.executable).parent / "mount.ckptfs"
+    return subprocess.run([str(helper), *args], capture_output=True, text=True, timeout=120,
+                          env=client_env(endpoint))
+
+
+def test_an_fstab_line_mounts_through_the_mount_helper(s3_server: S3Server, tmp_path: Path, s3,
+                                                       prefix: str) -> None:
+    mp = tmp_path / "fstab"
+    mp.mkdir()
+    # mount(8) passes the line's options after its own: generic ones the helper ignores.
+    options = ["rw", "_netdev", "nofail", "x-systemd.requires=network-online.target",
+               "x-systemd.automount", "noatime", f"cache_dir={tmp_path / 'c'}", "durability=async",
+               f"endpoint-url={s3_server.endpoint}", "part_size=8MiB", "allow_other"]
+    r = mount_helper(f"s3://{BUCKET}/{prefix}", str(mp), "-n", "-o", ",".join(options),
+                     endpoint=s3_server.endpoint)
+    assert r.returncode == 0, r.stderr
+    try:
+        assert is_mount(str(mp))
+        (mp / "f.pt").write_bytes(b"from fstab")
+        assert run_ckptfs("sync", str(mp)).returncode == 0
+        assert s3.get_object(Bucket=BUCKET, Key=f"{prefix}/f.pt")["Body"].read() == b"from fstab"
+        status = run_ckptfs("status", str(mp), "--json")
+        assert '"durability": "async"' in status.stdout
+    finally:
+        r = run_ckptfs("unmount", str(mp))
+        assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ("rw,bogus=1", "unknown option 'bogus=1'"),
+    ("durability=eventually", "--durability must be one of"),
+    ("part_size=lots", "invalid size 'lots'"),
+    ("read_only=perhaps", "must be true or false"),
+    ("cache_dir", "needs a value"),
+    ("mountpoint=/elsewhere", "unknown option"),
+])
+def test_the_mount_helper_refuses_bad_options_in_one_line(tmp_path: Path, options: str,
+                                                          fragment: str) -> None:
+    r = mount_helper(f"s3://{BUCKET}/x", str(tmp_path), "-o", options)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("mount.ckptfs: ") and fragment in lines[0], lines[0]
+    assert not is_mount(str(tmp_path))
+
+
+def test_the_mount_helper_checks_without_mounting_and_reports_a_failed_mount(
+        s3_server: S3Server, tmp_path: Path) -> None:
+    mp = tmp_path / "m"
+    mp.mkdir()
+    options = f"cache_dir={tmp_path / 'c'},endpoint_url={s3_server.endpoint}"
+    r = mount_helper(f"s3://{BUCKET}/x", str(mp), "-f", "-o", options, endpoint=s3_server.endpoint)
+    assert r.returncode == 0 and not is_mount(str(mp)), r.stderr  # mount -f: a dry run
+    r = mount_helper(f"s3://{BUCKET}/x", str(mp), "-s", "-o", options + ",unknown_thing=1",
+                     endpoint=s3_server.endpoint)  # mount -s: sloppy, unknown options ignored
+    try:
+        assert r.returncode == 0 and is_mount(str(mp)), r.stderr
+    finally:
+        run_ckptfs("unmount", str(mp))
+    r = mount_helper("s3://no-such-bucket-here/x", str(mp), "-o", options, endpoint=s3_server.endpoint)
+    assert r.returncode == 32 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = mount_helper(f"s3://{BUCKET}/x", endpoint=s3_server.endpoint)
+    assert r.returncode == 1 and "usage: mount.ckptfs" in r.stderr
