@@ -39,6 +39,7 @@ from ckptfs.namespace import Namespace
 from ckptfs.notify import Notifier
 from ckptfs.oplog import OrderedLog
 from ckptfs.recovery import Recovery
+from ckptfs.renames import Renames
 from ckptfs.retry import RetryPolicy
 from ckptfs.parts import PartPlan
 from ckptfs.prefetch import ChunkReader
@@ -214,7 +215,8 @@ async def build_mount(config: Config, s3: S3, nursery: trio.Nursery,
     journal = Journal(config.cache_dir)
     uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency, journal=journal,
                         upload_timeout=config.upload_timeout, nursery=nursery)
-    oplog = OrderedLog(journal, uploader, s3, nursery=nursery)
+    renames = Renames(s3, config.prefix)  # every rename in S3, under an intent (renames.py)
+    oplog = OrderedLog(journal, uploader, renames, nursery=nursery)
     # Before the mount goes live: what an earlier daemon journaled reaches S3 first, and the
     # ordered log's entries in their order.
     report = await Recovery(journal, staging.dir, staging.preserved_dir, s3, uploader).run(
@@ -237,7 +239,7 @@ async def build_mount(config: Config, s3: S3, nursery: trio.Nursery,
         masks = oplog.masks
     else:
         changes = DirectChanges(s3=s3, table=table, uploader=uploader, cache=cache,
-                                staging=staging, local=local, nursery=nursery)
+                                staging=staging, local=local, nursery=nursery, renames=renames)
         masks = None
     ns = Namespace(s3, table, uid, gid, config.metadata_ttl, masks=masks)
     reader = ChunkReader(s3, cache, memory_budget=config.read_memory, nursery=nursery)

@@ -25,7 +25,7 @@ import trio
 from ckptfs.errors import CkptfsError, NoSuchKey, Refused, raise_first_error
 from ckptfs.files import OpenFiles
 from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
-from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace
+from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace, is_reserved
 from ckptfs.opener import Opener, opener_of
 from ckptfs.prefetch import ReadStream
 from ckptfs.tree import Tree
@@ -160,6 +160,13 @@ class CheckpointFS(pyfuse3.Operations):
             raise _fail(errno.ENAMETOOLONG)
         return name
 
+    async def _new_child(self, parent_ino: int, raw: bytes) -> tuple[Inode, str, Inode | None]:
+        """`_child` for a name the call may make: never ckptfs's own (namespace.RESERVED_NAME)."""
+        parent, name, child = await self._child(parent_ino, raw)
+        if is_reserved(parent, name):
+            raise _fail(errno.EPERM)
+        return parent, name, child
+
     async def _child(self, parent_ino: int, raw: bytes) -> tuple[Inode, str, Inode | None]:
         parent = self._inode(parent_ino)
         if not parent.is_dir:
@@ -241,7 +248,7 @@ class CheckpointFS(pyfuse3.Operations):
     async def _make_entry(self, parent_inode: int, name: bytes, mode: int,
                           ctx: pyfuse3.RequestContext, body: bytes, rdev: int = 0) -> pyfuse3.EntryAttributes:
         self._check_writable()
-        parent, child_name, existing = await self._child(parent_inode, name)
+        parent, child_name, existing = await self._new_child(parent_inode, name)
         if existing is not None:
             raise _fail(errno.EEXIST)
         node = await self.tree.make_entry(parent, child_name, mode, ctx.uid, ctx.gid, body, rdev)
@@ -286,7 +293,7 @@ class CheckpointFS(pyfuse3.Operations):
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise _fail(errno.EINVAL)
         old_parent, _, src = await self._child(parent_inode_old, name_old)
-        new_parent, new_name, dst = await self._child(parent_inode_new, name_new)
+        new_parent, new_name, dst = await self._new_child(parent_inode_new, name_new)
         if src is None:
             raise _fail(errno.ENOENT)
         await self.tree.rename(old_parent, src, new_parent, new_name, dst,
@@ -347,7 +354,7 @@ class CheckpointFS(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._check_writable()
-        parent, child_name, existing = await self._child(parent_inode, name)
+        parent, child_name, existing = await self._new_child(parent_inode, name)
         if existing is not None and existing.is_dir:
             raise _fail(errno.EISDIR)
         if existing is not None and flags & os.O_EXCL:

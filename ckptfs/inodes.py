@@ -44,6 +44,10 @@ class Inode:
     dirty: bool = False  # the staged bytes are newer than what S3 has (or will have)
     symlink_target: bytes | None = None
     rdev: int = 0  # a character or block device's number (x-amz-meta-rdev)
+    # A directory that another tool marked with an object of its own rather than "dir/": an
+    # s3fs "dir" (Content-Type application/x-directory) or a Hadoop "dir_$folder$". Its
+    # rmdir and rename remove that object too.
+    marker_key: str | None = None
     lookups: int = 0
     open_handles: int = 0
     writers: int = 0

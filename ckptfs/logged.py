@@ -18,12 +18,12 @@ from typing import Any
 
 from ckptfs.cache import ObjectCache
 from ckptfs.changes import ChangesBase, LocalCopies
-from ckptfs.direct import rename_in_s3
 from ckptfs.errors import Refused
 from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
 from ckptfs.journal import Record
 from ckptfs.namespace import object_metadata
 from ckptfs.oplog import Entry, OrderedLog
+from ckptfs.renames import rename_in_s3
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
@@ -179,18 +179,22 @@ class LoggedChanges(ChangesBase):
 
     async def remove_dir(self, node: Inode, effect: Callable[[], None]) -> None:
         # Masks the whole prefix: S3 lists what is under it until the delete's turn.
+        marker = node.marker_key
         await self.log.append(Record("", self.table.key_of(node), True, op="delete"),
                               self.table.path_of(node), masks=(self.table.key_of(node),),
-                              effect=effect)
+                              effect=effect if marker is None else None)
+        if marker is not None:  # another tool's marker object of the directory goes too
+            await self.log.append(Record("", marker, True, op="delete"), self.table.path_of(node),
+                                  masks=(marker,), effect=effect)
 
     async def rename(self, src: Inode, new_parent: Inode, new_name: str, dst: Inode | None,
                      move: Callable[[], None]) -> None:
         if src.is_dir:
             # A directory's rename is a copy of everything under it, which the log does not
             # order: once S3 has every earlier change, it runs as in close mode.
-            await self.log.settle(self.uploader.upload_timeout)
-            await rename_in_s3(self.s3, self.table, self.cache, self.uploader, src, new_parent,
-                               new_name, dst, move)
+            await rename_in_s3(self.log.renames, self.table, self.cache, self.uploader, src,
+                               new_parent, new_name, dst, move,
+                               settle=lambda: self.log.settle(self.uploader.upload_timeout))
             return
         # A file: the put it follows is retargeted, or S3 copies and deletes in turn.
         old_key = self.table.key_of(src)

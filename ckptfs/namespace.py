@@ -18,13 +18,16 @@ import cachetools
 import trio
 
 from ckptfs.errors import NoSuchKey
-from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
+from ckptfs.inodes import ROOT_INODE, SPECIAL_TYPES, Inode, InodeTable
 from ckptfs.masks import Masks, no_masks
 from ckptfs.s3types import MARKED_MAX, S3, ListPage, ObjectInfo, is_marked
 
 log = logging.getLogger(__name__)
 
 NAME_MAX = 255
+# The one name of the prefix's top that is ckptfs's own: rename intents live under it
+# (renames.py). Listings never show it, lookups never find it, the mount never makes it.
+RESERVED_NAME = ".ckptfs"
 KEY_MAX = 1024
 # A listing HEADs the objects it has not seen with metadata whose type may differ from a plain
 # file's, which only their metadata tells: every small marked one (s3types: ckptfs writes
@@ -35,6 +38,10 @@ KEY_MAX = 1024
 # until looked up.
 SYMLINK_MAX = MARKED_MAX
 SMALL_HEADS = 64
+
+
+def is_reserved(parent: Inode, name: str) -> bool:
+    return parent.ino == ROOT_INODE and name == RESERVED_NAME
 
 
 def valid_name(name: str) -> bool:
@@ -57,6 +64,26 @@ def object_metadata(inode: Inode) -> dict[str, str]:
         "mtime": _stamp(inode.mtime_ns),
         "ctime": _stamp(inode.ctime_ns),
     } | ({"rdev": str(inode.rdev)} if inode.rdev else {})
+
+
+# Directories other tools mark with an object of their own, not a "dir/" key: s3fs (and
+# others) with a zero-byte "dir" of this Content-Type, Hadoop's S3 connectors with a
+# zero-byte "dir_$folder$". Shown as directories; their objects are never shown as files.
+DIRECTORY_TYPE = "application/x-directory"
+FOLDER_SUFFIX = "_$folder$"
+
+
+def is_directory_object(info: ObjectInfo) -> bool:
+    """A zero-byte "dir" object that another tool wrote to stand for a directory."""
+    return (info.size == 0 and not info.key.endswith("/") and info.content_type is not None
+            and info.content_type.split(";")[0].strip().lower() == DIRECTORY_TYPE)
+
+
+def folder_marker_of(name: str, info: ObjectInfo) -> str | None:
+    """The directory a Hadoop "dir_$folder$" marker stands for, if `name` is one."""
+    if info.size == 0 and name.endswith(FOLDER_SUFFIX) and len(name) > len(FOLDER_SUFFIX):
+        return name[:-len(FOLDER_SUFFIX)]
+    return None
 
 
 def _kind_of(info: ObjectInfo) -> int:
@@ -220,6 +247,8 @@ class Namespace:
 
     async def lookup(self, parent: Inode, name: str) -> Inode | None:
         """The child called `name`, asking S3 unless the table's answer is authoritative or fresh."""
+        if is_reserved(parent, name):
+            return None
         child = self._child(parent, name)
         if child is not None and (child.is_local or self.fresh(child.validated_at)):
             return child
@@ -281,10 +310,21 @@ class Namespace:
             inode = self._new_dir(parent, name)
             if page.objects and page.objects[0].key == key + "/":
                 await self._load_dir_meta(inode, key + "/")
+            elif head[0] is not None and is_directory_object(head[0]) and not masked(key):
+                inode.marker_key = key  # another tool's marker of a directory with children
+                self._apply_dir_meta(inode, head[0].metadata)
             return inode
         info = head[0]
         if info is not None and masked(key):
             info = None
+        if info is not None and is_directory_object(info):
+            if child is not None and child.is_dir:
+                child.validated_at = time.monotonic()
+                return child
+            inode = self._new_dir(parent, name)
+            inode.marker_key = key
+            self._apply_dir_meta(inode, info.metadata)
+            return inode
         if info is None:
             if child is not None and masked(key):
                 # The mount made this name again and S3 got it while the answer was on its
@@ -345,8 +385,13 @@ class Namespace:
                 seen[prefix[len(dir_key):-1]] = None
             last = max(last, _sort_key(prefix))
         for obj in page.objects:
-            if obj.key[len(dir_key):] and not masked(obj.key):
-                seen.setdefault(obj.key[len(dir_key):], obj)  # a directory wins, as in list_dir
+            rest = obj.key[len(dir_key):]
+            if rest and not masked(obj.key):
+                folder = folder_marker_of(rest, obj)
+                if folder is not None:
+                    seen[folder] = None  # a directory (another tool's marker of it)
+                else:
+                    seen.setdefault(rest, obj)  # a directory wins, as in list_dir
             last = max(last, _sort_key(obj.key))
         forgotten = self._forgotten.get(parent.ino, {})
         for other, info in seen.items():
@@ -384,7 +429,9 @@ class Namespace:
             info = await self.s3.head(marker)
         except NoSuchKey:
             return
-        md = info.metadata
+        self._apply_dir_meta(inode, info.metadata)
+
+    def _apply_dir_meta(self, inode: Inode, md: dict[str, str]) -> None:
         inode.mode = stat.S_IFDIR | stat.S_IMODE(_int(md.get("mode"), 0o755))
         inode.uid = _int(md.get("uid"), self.uid)
         inode.gid = _int(md.get("gid"), self.gid)
@@ -428,10 +475,11 @@ class Namespace:
         asked = time.monotonic()
         dirs: set[str] = set()
         files: dict[str, ObjectInfo] = {}
+        markers: dict[str, str] = {}  # directory name -> another tool's marker object for it
         async for page in self.s3.list_pages(dir_key):
             for prefix in page.prefixes:
                 name = prefix[len(dir_key):-1]
-                if masked(prefix):
+                if masked(prefix) or is_reserved(directory, name):
                     continue
                 if valid_name(name):
                     dirs.add(name)
@@ -439,13 +487,22 @@ class Namespace:
                     self._warn_once(prefix, "not a valid file name")
             for obj in page.objects:
                 name = obj.key[len(dir_key):]
-                if name == "" or masked(obj.key):
+                if name == "" or masked(obj.key) or is_reserved(directory, name):
                     continue  # the directory's own marker, or removed here and not yet in S3
-                if valid_name(name):
+                folder = folder_marker_of(name, obj)
+                if folder is not None and valid_name(folder):
+                    dirs.add(folder)
+                    markers[folder] = obj.key
+                elif valid_name(name):
                     files[name] = obj
                 else:
                     self._warn_once(obj.key, "not a valid file name")
         headed = await self._head_small(dir_key, directory, files)
+        for name, info in headed.items():
+            if is_directory_object(info):
+                del files[name]
+                dirs.add(name)
+                markers.setdefault(name, info.key)
         entries: list[Inode] = []
         seen: set[str] = set()
         for name in sorted(dirs | set(files)):
@@ -457,6 +514,9 @@ class Namespace:
             elif name in dirs:
                 if child is None or not child.is_dir:
                     child = self._new_dir(directory, name)
+                    child.marker_key = markers.get(name)
+                    if name in headed:
+                        self._apply_dir_meta(child, headed[name].metadata)
                 child.validated_at = time.monotonic()
             else:
                 info = headed.get(name, files[name])

@@ -42,6 +42,7 @@ from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.masks import Masks
 from ckptfs.journal import Journal, PartDone, Record
 from ckptfs.parts import PartPlan
+from ckptfs.renames import Renames
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile
 from ckptfs.uploader import Uploader
@@ -80,11 +81,12 @@ class Entry:
         return self.rec.size if self.rec.op == "put" else 0
 
 
-async def apply_op(s3: S3, rec: Record, deadline: float) -> str | None:
+async def apply_op(renames: Renames, rec: Record, deadline: float) -> str | None:
     """The S3 requests of an entry that is not a put; the new ETag, if the entry made one.
 
     Each is safe to repeat: recovery replays the entry whose record a crash left behind.
     """
+    s3 = renames.s3
     if rec.op == "delete":
         await s3.delete(rec.key, deadline)
         return None
@@ -101,16 +103,15 @@ async def apply_op(s3: S3, rec: Record, deadline: float) -> str | None:
     if rec.op == "copy":
         assert rec.src is not None
         src = rec.src
-        etag: str | None = None
         try:
             # The size the object has now, in its turn (objects over 5 GiB copy in parts).
             info = await s3.head(src, deadline=deadline)
-            etag = await s3.copy(src, rec.key, info.size, deadline=deadline, etag=info.etag)
         except NoSuchKey:
             # Replayed after a crash between its copy and its delete: the copy is in place.
             log.info("rename of %s to %s: the source is gone, the copy was made before", src, rec.key)
-        await s3.delete(src, deadline)
-        return etag
+            await s3.delete(src, deadline)
+            return None
+        return await renames.move_object(src, rec.key, info.size, info.etag, deadline)
     raise ValueError(f"not an S3 change: {rec.op}")
 
 
@@ -132,11 +133,12 @@ def _with_upload(rec: Record, up: FileUpload) -> Record:
 
 
 class OrderedLog:
-    def __init__(self, journal: Journal | None, uploader: Uploader, s3: S3, *,
+    def __init__(self, journal: Journal | None, uploader: Uploader, renames: Renames, *,
                  nursery: trio.Nursery) -> None:
         self.journal = journal
         self.uploader = uploader
-        self.s3 = s3
+        self.renames = renames
+        self.s3 = renames.s3
         self._nursery = nursery  # runs the entries
         self._entries: dict[int, Entry] = {}  # not yet applied, in sequence order
         self._next_seq = 1
@@ -299,7 +301,7 @@ class OrderedLog:
         rec = entry.rec
         if rec.op != "put":
             await self._turn(entry)
-            return await apply_op(self.s3, rec, self.uploader.deadline())
+            return await apply_op(self.renames, rec, self.uploader.deadline())
         assert entry.staged is not None and entry.metadata is not None
         result = await self.uploader.finish(self._upload_of(entry), entry.staged.path, rec.key, rec.size,
                                             entry.metadata, before_visible=lambda: self._turn(entry))

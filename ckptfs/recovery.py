@@ -14,6 +14,7 @@ upload aborted; their staged file is preserved by the staging area.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -26,6 +27,7 @@ from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import NoSuchKey, S3Error, UploadError
 from ckptfs.journal import Journal, Record
 from ckptfs.oplog import apply_op
+from ckptfs.renames import INTENTS, Renames
 from ckptfs.parts import PartPlan
 from ckptfs.s3types import S3
 from ckptfs.uploader import Uploader
@@ -46,6 +48,7 @@ class RecoveryReport:
     failed: list[tuple[str, str]] = field(default_factory=list)  # (key, reason): still journaled
     orphans_aborted: int = 0
     replayed: int = 0  # entries of the ordered log applied, in order
+    renames_completed: list[str] = field(default_factory=list)  # "src -> dst" a crash interrupted
     intents_aborted: int = 0  # uploads created just before a crash, before their id was journaled
     last_seq: int = 0  # the highest sequence number found in the log
 
@@ -53,6 +56,7 @@ class RecoveryReport:
         return {"delivered": len(self.delivered), "already_in_s3": len(self.already_in_s3),
                 "aborted_unclosed": self.aborted, "orphans_aborted": self.orphans_aborted,
                 "replayed": self.replayed, "intents_aborted": self.intents_aborted,
+                "renames_completed": list(self.renames_completed),
                 "set_aside": [list(x) for x in self.set_aside],
                 "failed": [list(x) for x in self.failed]}
 
@@ -82,6 +86,17 @@ class Recovery:
 
     async def run(self, prefix: str, stale_after: float) -> RecoveryReport:
         records, bad = await trio.to_thread.run_sync(self.journal.scan)
+        self.renames = Renames(self.s3, prefix)
+        # Renames a crash interrupted, first: S3 shows each whole before anything else
+        # lands (a later put of a renamed file's old name must not be moved with it).
+        try:
+            moved = await self.renames.complete_interrupted()
+        except S3Error as exc:
+            self.report.failed.append((prefix + INTENTS, f"an interrupted rename could not be "
+                                                         f"completed: {exc}"))
+            return self.report
+        self.report.renames_completed = [f"{src} -> {dst}" for src, dst in moved]
+        records = [await self._follow_renames(rec, moved) for rec in records]
         for name, reason in bad:
             log.error("journal record %s cannot be trusted (%s); it and its staged file are kept in %s",
                       name, reason, self.preserved_dir)
@@ -121,7 +136,7 @@ class Recovery:
                     continue  # set aside: its bytes are gone, and nothing can bring them back
             else:
                 try:
-                    await apply_op(self.s3, rec, self.uploader.deadline())
+                    await apply_op(self.renames, rec, self.uploader.deadline())
                 except S3Error as exc:
                     log.error("could not apply %s of %s from the log: %s", rec.op, rec.key, exc)
                     self.report.failed.append((rec.key, str(exc)))
@@ -130,6 +145,24 @@ class Recovery:
             self.report.replayed += 1
             if rec.orphan_key and rec.orphan_id:
                 await self.s3.abort_quietly(rec.orphan_key, rec.orphan_id)
+
+    async def _follow_renames(self, rec: Record, moved: list[tuple[str, str]]) -> Record:
+        """A close-mode record (no place in a sequence) of a file under a rename just
+        completed: its bytes belong under the new name (the crash came before the rename
+        could rewrite the record). Async mode's records keep their keys: the log orders them
+        after the rename, so a put of the old name is a new file there."""
+        if rec.seq or not rec.closed:
+            return rec
+        for src, dst in moved:
+            if rec.key == src or (src.endswith("/") and rec.key.startswith(src)):
+                if rec.upload_id:  # its parts were sent under the old key
+                    await self.s3.abort_quietly(rec.key, rec.upload_id)
+                new = dataclasses.replace(rec, key=dst + rec.key[len(src):], upload_id=None,
+                                          parts=())
+                await trio.to_thread.run_sync(self.journal.write, new)
+                log.info("journaled %s follows the rename to %s", rec.key, new.key)
+                return new
+        return rec
 
     async def _abort_intents(self, records: list[Record], owned: set[str]) -> None:
         """Abort uploads of a key that a record meant to create (`intent`) and that no record

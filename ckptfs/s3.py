@@ -220,7 +220,7 @@ class S3Client:
             kwargs["ChecksumMode"] = "ENABLED"
         r = await self._call("HEAD", key, self._c.head_object, deadline, **kwargs)
         return ObjectInfo(key, r["ContentLength"], _etag(r), _timestamp(r.get("LastModified")),
-                          dict(r.get("Metadata", {})), r.get("ChecksumCRC32"))
+                          dict(r.get("Metadata", {})), r.get("ChecksumCRC32"), r.get("ContentType"))
 
     async def list_page(self, prefix: str, token: str | None, delimiter: str = "/",
                         max_keys: int = 1000, start_after: str | None = None) -> tuple[ListPage, str | None]:

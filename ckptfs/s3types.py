@@ -48,6 +48,7 @@ class ObjectInfo:
     last_modified: float
     metadata: dict[str, str] = field(default_factory=dict)
     checksum_crc32: str | None = None  # S3's full-object CRC32, where the server keeps one
+    content_type: str | None = None  # from a HEAD
 
 
 @dataclass(frozen=True)

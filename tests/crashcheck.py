@@ -129,13 +129,24 @@ def states(history: str) -> tuple[list[dict[str, str]], int]:
 
 
 def s3_state(s3, prefix: str) -> dict[str, str]:
+    """The files S3 shows under the prefix (name -> SHA-256), as every mount will see them:
+    a rename a crash interrupted is taken as done (its intent says so; renames.py)."""
     out = {}
+    intents = []
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/"):
         for obj in page.get("Contents", []):
             if obj["Key"].endswith("/"):
                 continue  # directory markers: the model is about files
             body = s3.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"].read()
-            out[obj["Key"][len(prefix) + 1:]] = hashlib.sha256(body).hexdigest()
+            name = obj["Key"][len(prefix) + 1:]
+            if name.startswith(".ckptfs/renames/"):
+                intents.append((name, json.loads(body)))  # named by time: oldest first
+            else:
+                out[name] = hashlib.sha256(body).hexdigest()
+    for _, intent in sorted(intents, key=lambda i: i[0]):
+        src, dst = (k[len(prefix) + 1:] for k in (intent["src"], intent["dst"]))
+        for name in [n for n in out if n == src or (src.endswith("/") and n.startswith(src))]:
+            out[dst + name[len(src):]] = out.pop(name)
     return out
 
 

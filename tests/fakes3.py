@@ -85,6 +85,7 @@ class MemoryS3:
         self.objects: dict[str, bytes] = {}
         self.etags: dict[str, str] = {}
         self.meta: dict[str, dict[str, str]] = {}
+        self.content_types: dict[str, str] = {}  # what HEAD answers; set by tests
         self.uploads: dict[str, tuple[str, dict[int, bytes]]] = {}  # id -> (key, parts)
         self.initiated: dict[str, float] = {}
         self.visible: list[tuple[str, str]] = []
@@ -130,7 +131,7 @@ class MemoryS3:
                 raise NoSuchKey(key)
             data = self.objects[key]
             return ObjectInfo(key, len(data), self.etags[key], 0.0, dict(self.meta[key]),
-                              b64_crc32(crc32(data)))
+                              b64_crc32(crc32(data)), self.content_types.get(key))
         return await self._request("HEAD", key, deadline, effect)
 
     async def list_page(self, prefix: str, token: str | None, delimiter: str = "/",

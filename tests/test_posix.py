@@ -550,3 +550,35 @@ def test_touch_a_of_a_directory_changes_its_ctime_as_of_a_file(mnt: Mount) -> No
         assert after.st_atime_ns != before.st_atime_ns, path
         assert after.st_ctime_ns > before.st_ctime_ns, path
 
+
+def test_directories_other_tools_mark_with_objects_of_their_own(mounter: Mounter, s3, prefix: str) -> None:
+    # s3fs (and others) mark a directory with a zero-byte "dir" object of Content-Type
+    # application/x-directory; Hadoop's connectors with "dir_$folder$". Both show as
+    # directories, their marker objects never as files, and nothing is written back.
+    put = lambda key, **kw: s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=b"", **kw)  # noqa: E731
+    put("s3fsdir", ContentType="application/x-directory", Metadata={"mode": "16832"})
+    put("s3fsdir/inner.pt")
+    put("s3fsempty", ContentType="application/x-directory")
+    put("hadoop_$folder$")
+    put("hadoop/part-0000")
+    put("hadoopempty_$folder$")
+    put("plain", ContentType="application/octet-stream")
+    keys_before = s3_keys(s3, prefix)
+    mnt = mounter()
+    assert os.path.isdir(mnt.path / "s3fsempty")  # a lookup by name, before any listing
+    assert stat.S_IMODE(os.stat(mnt.path / "s3fsdir").st_mode) == 0o700
+    assert sorted(os.listdir(mnt.path)) == ["hadoop", "hadoopempty", "plain", "s3fsdir", "s3fsempty"]
+    for name in ("hadoop", "hadoopempty", "s3fsdir", "s3fsempty"):
+        assert (mnt.path / name).is_dir(), name
+    assert os.listdir(mnt.path / "s3fsdir") == ["inner.pt"] and os.listdir(mnt.path / "hadoopempty") == []
+    assert (mnt.path / "plain").is_file()
+    assert s3_keys(s3, prefix) == keys_before
+    os.rmdir(mnt.path / "s3fsempty")
+    os.rmdir(mnt.path / "hadoopempty")
+    os.rename(mnt.path / "s3fsdir", mnt.path / "moved")
+    keys = s3_keys(s3, prefix)
+    assert not [k for k in keys if k.split("/", 1)[1].startswith(("s3fs", "hadoopempty"))], keys
+    mnt.unmount()
+    again = mounter()
+    assert sorted(os.listdir(again.path)) == ["hadoop", "moved", "plain"]
+    assert os.listdir(again.path / "moved") == ["inner.pt"]
