@@ -270,6 +270,8 @@ def _status(mountpoint: str, as_json: bool) -> int:
           f"{rec['orphans_aborted']} stale uploads aborted")
     for name, reason in rec["set_aside"]:
         print(f"  set aside {name}: {reason}")
+    for moved in rec.get("renames_completed", []):
+        print(f"  completed a rename a crash interrupted: {moved}")
     for torn in st.get("torn_writes", []):
         print(f"not published (writer killed by signal {torn['signal']}): {torn['path']}; "
               f"its bytes: {torn['preserved']}")

@@ -124,6 +124,7 @@ class InodeTable:
         self._by_ino: dict[int, Inode] = {}
         self._children: dict[int, dict[str, int]] = {}
         self._next = itertools.count(ROOT_INODE + 1)
+        self._redirects: list[tuple[str, str]] = []  # (new "dir/" prefix, old), oldest first
         # Told of every inode dropped while it still had its name (the kernel forgot it and it
         # held nothing unsaved): the namespace still vouches for that name (Namespace.dropped).
         self.on_drop: Callable[[Inode], None] = lambda inode: None
@@ -227,7 +228,26 @@ class InodeTable:
 
     def object_key(self, inode: Inode) -> str:
         """Where S3 holds the file's object now (its old name while a rename is pending)."""
-        return inode.read_key or self.key_of(inode)
+        return self.physical(inode.read_key or self.key_of(inode))
+
+    def redirect(self, new_prefix: str, old_prefix: str) -> object:
+        """A directory rename waits in the ordered log: until it is applied, what the mount
+        shows under `new_prefix` is in S3 under `old_prefix`. Returns the token that
+        `unredirect` takes once it is applied."""
+        token = (new_prefix, old_prefix)
+        self._redirects.append(token)
+        return token
+
+    def unredirect(self, token: object) -> None:
+        self._redirects.remove(token)  # type: ignore[arg-type]
+
+    def physical(self, key: str) -> str:
+        """The key S3 holds `key`'s object (or "dir/" prefix) under now: the mount's name
+        mapped back through the directory renames still waiting in the log, newest first."""
+        for new_prefix, old_prefix in reversed(self._redirects):
+            if key.startswith(new_prefix):
+                key = old_prefix + key[len(new_prefix):]
+        return key
 
     def key_of(self, inode: Inode) -> str:
         """The S3 key: the object's key for a file, the 'dir/' marker key for a directory."""

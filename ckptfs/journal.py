@@ -27,7 +27,7 @@ from ckptfs.parts import MAX_PART_SIZE, MIN_PART_SIZE
 log = logging.getLogger(__name__)
 
 VERSION = 1
-OPS = ("put", "object", "delete", "copy", "meta")
+OPS = ("put", "object", "delete", "copy", "meta", "dirmove")
 
 
 class BadRecord(Exception):
@@ -56,7 +56,9 @@ class Record:
     part_size: int = 0  # the first part's size: parts already in S3 follow this plan
     # The ordered log (async mode): seq > 0 places the record in the sequence S3 must see.
     seq: int = 0
-    op: str = "put"  # put (staged bytes), object (inline body), delete, copy (src -> key), meta
+    # put (staged bytes), object (inline body), delete, copy (src -> key), meta, dirmove (every
+    # object under the "dir/" prefix src moves under key; body: JSON of renames.move_dir's extras)
+    op: str = "put"
     src: str | None = None  # copy: the key the object moves from (deleted after the copy)
     body: str | None = None  # object: the body, base64
     # A CreateMultipartUpload was about to be sent at this wall-clock time (before its id
@@ -89,7 +91,7 @@ class Record:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BadRecord(f"unreadable record: {exc}") from None
         if (rec.size < 0 or not rec.key or not rec.name or os.path.basename(rec.name) != rec.name
-                or rec.op not in OPS or rec.seq < 0 or (rec.op == "copy" and not rec.src)
+                or rec.op not in OPS or rec.seq < 0 or (rec.op in ("copy", "dirmove") and not rec.src)
                 or not (rec.part_size == 0 or MIN_PART_SIZE <= rec.part_size <= MAX_PART_SIZE)
                 or any(not 0 <= p.start < p.end <= rec.size for p in rec.parts)):
             raise BadRecord("inconsistent record")

@@ -3,7 +3,7 @@
 A close or fsync appends the put of the file's bytes as they are then; from there the
 staged file is held (a later write works on a copy, files.py). Parts stream while the file
 is written, as in close mode, and the put takes that multipart upload over. Deletes, directory markers,
-symlinks, renames and metadata are entries too. The mount shows each change at once; S3
+symlinks, renames (a directory's too) and metadata are entries too. The mount shows each change at once; S3
 gets it in its turn, and `on_done` brings the inode up to date with what S3 then holds.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
 from ckptfs.journal import Record
 from ckptfs.namespace import object_metadata
 from ckptfs.oplog import Entry, OrderedLog
-from ckptfs.renames import rename_in_s3
+from ckptfs.renames import files_under, locked
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
@@ -190,11 +191,7 @@ class LoggedChanges(ChangesBase):
     async def rename(self, src: Inode, new_parent: Inode, new_name: str, dst: Inode | None,
                      move: Callable[[], None]) -> None:
         if src.is_dir:
-            # A directory's rename is a copy of everything under it, which the log does not
-            # order: once S3 has every earlier change, it runs as in close mode.
-            await rename_in_s3(self.log.renames, self.table, self.cache, self.uploader, src,
-                               new_parent, new_name, dst, move,
-                               settle=lambda: self.log.settle(self.uploader.upload_timeout))
+            await self._rename_dir(src, new_parent, new_name, dst, move)
             return
         # A file: the put it follows is retargeted, or S3 copies and deletes in turn.
         old_key = self.table.key_of(src)
@@ -215,6 +212,59 @@ class LoggedChanges(ChangesBase):
             await self.log.append(Record("", new_key, True, op="delete"), new_path, effect=move)
         else:
             move()
+
+    async def _rename_dir(self, src: Inode, new_parent: Inode, new_name: str, dst: Inode | None,
+                          move: Callable[[], None]) -> None:
+        """A directory's rename is an entry of the log like any other change: the mount shows
+        it at once, and in its turn S3 moves every object under the directory
+        (`Renames.move_dir`, under an intent: all or nothing through any crash). Until then
+        the table maps the new names back to where S3 holds them (`InodeTable.redirect`),
+        and the old ones are masked. The upload locks of its files are held while it is
+        appended: a put of one of them is appended before it (and moved with the rest) or
+        after it (under the new name)."""
+        old_prefix = self.table.key_of(src)
+        new_prefix = self.table.key_of(new_parent) + new_name + "/"
+        new_path = (self.table.path_of(new_parent) + "/" + new_name).lstrip("/")
+        also = (src.marker_key,) if src.marker_key is not None else ()
+        replaced = () if dst is None else tuple(
+            k for k in (self.table.key_of(dst), dst.marker_key) if k is not None)
+        rec = Record("", new_prefix, True, metadata=object_metadata(src), op="dirmove",
+                     src=old_prefix, body=json.dumps({"also_delete": also, "replaced": replaced}))
+        token: list[object] = []
+
+        def effect() -> None:
+            src.pending += 1
+            src.marker_key = None  # moved (or deleted) with the rest; a "dir/" marker is made
+            token.append(self.table.redirect(new_prefix, old_prefix))
+            move()
+
+        def done(entry: Entry, etags: Any) -> None:
+            src.pending -= 1
+            self.table.unredirect(token[0])
+            if isinstance(etags, dict):
+                self._moved(src, "", entry.rec.src or "", entry.rec.key, etags)
+
+        async with locked(files_under(self.table, src)):
+            await self.log.append(rec, new_path, owner=src, on_done=done,
+                                  masks=(old_prefix, *also), effect=effect)
+
+    def _moved(self, directory: Inode, rel: str, old_prefix: str, new_prefix: str,
+               etags: dict[str, str]) -> None:
+        """S3 moved the directory's objects: its files' new ETags, and their cached bytes
+        under the new keys."""
+        for child in self.table.children(directory.ino):
+            path = rel + child.name
+            if child.is_dir:
+                if child.marker_key is not None and child.marker_key.startswith(old_prefix):
+                    child.marker_key = new_prefix + child.marker_key[len(old_prefix):]
+                self._moved(child, path + "/", old_prefix, new_prefix, etags)
+            elif path in etags and not child.unlinked:
+                old, new = child.etag, etags[path]
+                if old is not None:
+                    self.cache.rekey(old_prefix + path, old, new_prefix + path, new)
+                if child.page_etag == old:
+                    child.page_etag = new
+                child.etag = new
 
     def stats(self) -> dict[str, Any]:
         return {"log_entries": len(self.log)}

@@ -218,7 +218,7 @@ class Namespace:
         unless the mount changed the file while S3 answered (a writer opened it, the log put
         a new version): that answer predates the mount's own state (as in `_lookup_in_s3`)."""
         was_local, etag_before = inode.is_local, inode.etag
-        info = await self.s3.head(key or self.table.key_of(inode))
+        info = await self.s3.head(key or self.table.object_key(inode))
         if inode.etag != etag_before or (inode.is_local and not was_local):
             return
         self.apply_object(inode, info, True)
@@ -278,15 +278,19 @@ class Namespace:
         head: list[ObjectInfo | None] = [None]
         listing: list[ListPage] = []
         etag_before = child.etag if child is not None else None
+        # Masks judge the mount's names (`key`); S3 holds them under `physical` while a
+        # directory rename waits in the log (InodeTable.physical).
+        physical = self.table.physical(key)
 
         async def do_head() -> None:
             try:
-                head[0] = await self.s3.head(key)
+                head[0] = await self.s3.head(physical)
             except NoSuchKey:
                 pass
 
         async def do_list() -> None:
-            listing.append((await self.s3.list_page(key + "/", None, delimiter="/", max_keys=1))[0])
+            listing.append((await self.s3.list_page(physical + "/", None, delimiter="/",
+                                                    max_keys=1))[0])
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(do_head)
@@ -308,10 +312,10 @@ class Namespace:
                 child.validated_at = time.monotonic()
                 return child
             inode = self._new_dir(parent, name)
-            if page.objects and page.objects[0].key == key + "/":
-                await self._load_dir_meta(inode, key + "/")
+            if page.objects and page.objects[0].key == physical + "/":
+                await self._load_dir_meta(inode, physical + "/")
             elif head[0] is not None and is_directory_object(head[0]) and not masked(key):
-                inode.marker_key = key  # another tool's marker of a directory with children
+                inode.marker_key = physical  # another tool's marker of a directory with children
                 self._apply_dir_meta(inode, head[0].metadata)
             return inode
         info = head[0]
@@ -322,7 +326,7 @@ class Namespace:
                 child.validated_at = time.monotonic()
                 return child
             inode = self._new_dir(parent, name)
-            inode.marker_key = key
+            inode.marker_key = physical
             self._apply_dir_meta(inode, info.metadata)
             return inode
         if info is None:
@@ -371,8 +375,10 @@ class Namespace:
         etag_before = before.etag if before is not None else None
         dir_key = self.table.key_of(parent)
         key = dir_key + name
+        physical = self.table.physical(dir_key)  # where S3 holds the directory now
         try:
-            page, more = await self.s3.list_page(dir_key, None, delimiter="/", start_after=key[:-1])
+            page, more = await self.s3.list_page(physical, None, delimiter="/",
+                                                 start_after=(physical + name)[:-1])
         finally:
             if self._rechecking.get(parent.ino) is done:
                 del self._rechecking[parent.ino]
@@ -381,12 +387,12 @@ class Namespace:
         seen: dict[str, ObjectInfo | None] = {}  # name -> object, None for a directory
         last = b""
         for prefix in page.prefixes:
-            if not masked(prefix):
-                seen[prefix[len(dir_key):-1]] = None
+            if not masked(dir_key + prefix[len(physical):]):
+                seen[prefix[len(physical):-1]] = None
             last = max(last, _sort_key(prefix))
         for obj in page.objects:
-            rest = obj.key[len(dir_key):]
-            if rest and not masked(obj.key):
+            rest = obj.key[len(physical):]
+            if rest and not masked(dir_key + rest):
                 folder = folder_marker_of(rest, obj)
                 if folder is not None:
                     seen[folder] = None  # a directory (another tool's marker of it)
@@ -416,7 +422,7 @@ class Namespace:
                                             or info.size <= SYMLINK_MAX):
                 return False, None  # its kind is in its metadata: the full lookup HEADs it
             return True, self._refresh_file(parent, child, info, with_metadata=False)
-        covered = more is None or _sort_key(key + "/") <= last
+        covered = more is None or _sort_key(physical + name + "/") <= last
         if not covered or masked(key):
             return False, None
         self.table.detach(child)  # gone from S3
@@ -470,24 +476,25 @@ class Namespace:
 
     async def _list_dir(self, directory: Inode, masked: Callable[[str], bool]) -> list[Inode]:
         dir_key = self.table.key_of(directory)
+        physical = self.table.physical(dir_key)  # where S3 holds the directory now
         # An entry the mount made, changed or confirmed after this moment is newer than
         # anything the listing says (a close-mode close put it in S3 while the LIST was out).
         asked = time.monotonic()
         dirs: set[str] = set()
         files: dict[str, ObjectInfo] = {}
         markers: dict[str, str] = {}  # directory name -> another tool's marker object for it
-        async for page in self.s3.list_pages(dir_key):
+        async for page in self.s3.list_pages(physical):
             for prefix in page.prefixes:
-                name = prefix[len(dir_key):-1]
-                if masked(prefix) or is_reserved(directory, name):
+                name = prefix[len(physical):-1]
+                if masked(dir_key + name + "/") or is_reserved(directory, name):
                     continue
                 if valid_name(name):
                     dirs.add(name)
                 else:
                     self._warn_once(prefix, "not a valid file name")
             for obj in page.objects:
-                name = obj.key[len(dir_key):]
-                if name == "" or masked(obj.key) or is_reserved(directory, name):
+                name = obj.key[len(physical):]
+                if name == "" or masked(dir_key + name) or is_reserved(directory, name):
                     continue  # the directory's own marker, or removed here and not yet in S3
                 folder = folder_marker_of(name, obj)
                 if folder is not None and valid_name(folder):
@@ -497,7 +504,7 @@ class Namespace:
                     files[name] = obj
                 else:
                     self._warn_once(obj.key, "not a valid file name")
-        headed = await self._head_small(dir_key, directory, files)
+        headed = await self._head_small(physical, directory, files)
         for name, info in headed.items():
             if is_directory_object(info):
                 del files[name]

@@ -2,7 +2,7 @@
 
 S3 at any instant holds the mount as it was at some earlier instant: a prefix of its
 history. Each change that alters what S3 shows (a closed file's object, a delete, a
-directory marker, a rename's copy-and-delete, new metadata) becomes an Entry with a
+directory marker, a rename's copy-and-delete, a directory's move, new metadata) becomes an Entry with a
 sequence number. Its journal record (journal.py, `seq` > 0) is written and fsynced
 before the call that made it returns, and appends are serialised, so the records on
 disk are always a contiguous run of the sequence.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,7 +62,8 @@ class Entry:
     path: str  # the path in the mount, for messages and `ckptfs sync PATH`
     staged: StagedFile | None = None  # put: its bytes, held (never changed) until applied
     owner: Any = None  # what the caller needs back in on_done (the inode)
-    on_done: Callable[[Entry, str | None], None] | None = None  # with the new ETag, if any
+    # With the new ETag, if any (a directory move: the new ETags, by relative key).
+    on_done: Callable[[Entry, Any], None] | None = None
     fresh: bool = False  # put: its name had no object before it (it may be retargeted)
     metadata: dict[str, str] | None = None  # put: the dict its upload reads (amendable)
     up: FileUpload | None = None
@@ -81,8 +83,9 @@ class Entry:
         return self.rec.size if self.rec.op == "put" else 0
 
 
-async def apply_op(renames: Renames, rec: Record, deadline: float) -> str | None:
-    """The S3 requests of an entry that is not a put; the new ETag, if the entry made one.
+async def apply_op(renames: Renames, rec: Record, deadline: float) -> str | dict[str, str] | None:
+    """The S3 requests of an entry that is not a put; the new ETag, if the entry made one (a
+    directory's move: {key relative to the directory: new ETag}).
 
     Each is safe to repeat: recovery replays the entry whose record a crash left behind.
     """
@@ -112,6 +115,12 @@ async def apply_op(renames: Renames, rec: Record, deadline: float) -> str | None
             await s3.delete(src, deadline)
             return None
         return await renames.move_object(src, rec.key, info.size, info.etag, deadline)
+    if rec.op == "dirmove":
+        assert rec.src is not None
+        extra = json.loads(rec.body or "{}")
+        return await renames.move_dir(rec.src, rec.key, rec.metadata,
+                                      tuple(extra.get("also_delete", ())),
+                                      tuple(extra.get("replaced", ())))
     raise ValueError(f"not an S3 change: {rec.op}")
 
 
@@ -156,7 +165,7 @@ class OrderedLog:
         return f"op-{seq:012d}"
 
     async def append(self, rec: Record, path: str, *, staged: StagedFile | None = None,
-                     owner: Any = None, on_done: Callable[[Entry, str | None], None] | None = None,
+                     owner: Any = None, on_done: Callable[[Entry, Any], None] | None = None,
                      masks: tuple[str, ...] = (), fresh: bool = False,
                      effect: Callable[[], None] | None = None,
                      up: FileUpload | None = None) -> Entry:
@@ -297,7 +306,7 @@ class OrderedLog:
         await trio.lowlevel.checkpoint()
         entry.visible = True
 
-    async def _apply(self, entry: Entry) -> str | None:
+    async def _apply(self, entry: Entry) -> str | dict[str, str] | None:
         rec = entry.rec
         if rec.op != "put":
             await self._turn(entry)
@@ -340,7 +349,7 @@ class OrderedLog:
                 break
         await self._retire(entry, etag)
 
-    async def _retire(self, entry: Entry, etag: str | None) -> None:
+    async def _retire(self, entry: Entry, etag: str | dict[str, str] | None) -> None:
         """The change is in S3: drop its record (before the next entry's turn), then report it."""
         if self.journal is not None:
             while True:
@@ -398,14 +407,3 @@ class OrderedLog:
         """Return once nothing is pending (the caller bounds it with a deadline)."""
         while self._entries:
             await self._changed.wait()
-
-    async def settle(self, timeout: float) -> None:
-        """Wait until S3 holds every change made so far (before a change the log cannot order,
-        such as a directory rename); raise S3Error if that takes longer than `timeout`."""
-        with trio.move_on_after(timeout):
-            await self.drain()
-            return
-        first = next(iter(self._entries.values()))
-        raise S3Error(f"earlier changes are not in S3 yet ({first.path}: {first.error or 'pending'})",
-                      retryable=False)
-

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import trio
 
@@ -92,7 +92,7 @@ class Renames:
         except CkptfsError:
             await self._undo(intent, src, dst, objects)
             raise
-        await self._delete_all(src, objects, also_delete)
+        await self._delete_all(src, [o.key for o in objects], also_delete)
         await self.s3.delete(intent)
         return etags
 
@@ -128,13 +128,12 @@ class Renames:
             await self.s3.put(dst, b"", metadata)  # keep even an empty implicit directory
         return etags
 
-    async def _delete_all(self, src: str, objects: list[ObjectInfo],
-                          also_delete: tuple[str, ...] = ()) -> None:
-        await self.s3.delete_many([o.key for o in objects] + list(also_delete))
+    async def _delete_all(self, src: str, keys: list[str], also_delete: tuple[str, ...] = ()) -> None:
+        await self.s3.delete_many(keys + list(also_delete))
         # Stores with real folders (SeaweedFS) keep emptied folders; delete them deepest first.
         folders = {src}
-        for obj in objects:
-            parts = obj.key[len(src):].split("/")[:-1]
+        for key in keys:
+            parts = key[len(src):].split("/")[:-1]
             for depth in range(1, len(parts) + 1):
                 folders.add(src + "/".join(parts[:depth]) + "/")
         for folder in sorted(folders, key=lambda f: f.count("/"), reverse=True):
@@ -155,6 +154,7 @@ class Renames:
                 intent = json.loads(await self.s3.get_range(obj.key, 0, obj.size))
                 src, dst, metadata = intent["src"], intent["dst"], intent.get("metadata")
                 also_delete = tuple(intent.get("also_delete") or ())
+                recorded = [src + rest for rest, _ in intent.get("keys") or ()]
             except (ValueError, KeyError, TypeError) as exc:
                 log.error("rename intent %s cannot be read (%s); left in place", obj.key, exc)
                 continue
@@ -165,8 +165,10 @@ class Renames:
                 if objects:
                     with raise_first_error():
                         await self._copy_all(src, dst, objects, metadata)
-                if objects or also_delete:
-                    await self._delete_all(src, objects, also_delete)
+                # What was listed when the rename began names the folders a store with real
+                # folders may still keep after the objects in them were deleted.
+                await self._delete_all(src, sorted({o.key for o in objects} | set(recorded)),
+                                       also_delete)
             else:
                 try:
                     info = await self.s3.head(src)
@@ -180,21 +182,17 @@ class Renames:
         return done
 
 
-# ----- a rename made in S3 at once (close mode; async mode's directories) ---------------------
+# ----- a rename made in S3 at once (close mode) --------------------------------------------
 
 async def rename_in_s3(renames: Renames, table: InodeTable, cache: ObjectCache,
                        uploader: Uploader, src: Inode, new_parent: Inode, new_name: str,
-                       dst: Inode | None, move: Callable[[], None],
-                       settle: Callable[[], Awaitable[None]] | None = None) -> None:
+                       dst: Inode | None, move: Callable[[], None]) -> None:
     """`src` (a file, or a directory with everything under it) takes `new_name` in S3, then
     in the table (`move`). The upload locks of every file under a directory are held
     throughout: an upload finishing meanwhile would land under the old name after the
-    copies. `settle`: awaited once they are held (async mode: S3 gets every earlier change
-    first)."""
+    copies."""
     new_key = table.key_of(new_parent) + new_name
-    async with _locked(_files_under(table, src)):
-        if settle is not None:
-            await settle()
+    async with locked(files_under(table, src)):
         if src.is_dir:
             also = (src.marker_key,) if src.marker_key is not None else ()
             replaced = () if dst is None else tuple(
@@ -211,16 +209,17 @@ async def rename_in_s3(renames: Renames, table: InodeTable, cache: ObjectCache,
         await _rejournal(table, uploader, src)
 
 
-def _files_under(table: InodeTable, node: Inode) -> list[Inode]:
+def files_under(table: InodeTable, node: Inode) -> list[Inode]:
+    """`node` if a file; every file the table knows under it if a directory."""
     if not node.is_dir:
         return [node]
     out: list[Inode] = []
     for child in table.children(node.ino):
-        out.extend(_files_under(table, child))
+        out.extend(files_under(table, child))
     return out
 
 
-class _locked:
+class locked:
     """Hold the upload locks of `nodes`, taken in inode order (no two renames deadlock)."""
 
     def __init__(self, nodes: list[Inode]) -> None:

@@ -52,11 +52,13 @@ class Tree:
         if any(not c.unlinked and c.is_local for c in self.table.children(node.ino)):
             return False
         key = self.table.key_of(node)
+        physical = self.table.physical(key)  # (a directory rename waiting in the log)
         if not self.changes.stages_first or not self.changes.backlog.pending():
-            return not await self.s3.has_children(key)
+            return not await self.s3.has_children(physical)
         # S3 may still hold objects the mount removed (deletes waiting their turn).
         with self.ns.masks() as masked:
-            return all(o.key == key or masked(o.key) for o in await self.s3.list_keys(key))
+            return all(o.key == physical or masked(key + o.key[len(physical):])
+                       for o in await self.s3.list_keys(physical))
 
     async def rmdir(self, parent: Inode, node: Inode) -> None:
         if not await self.dir_is_empty(node):

@@ -145,6 +145,12 @@ def trial(server, s3, work: Path, mode: str, variant: str, kill_at: int | None,
                     os.rename(src, mnt.path / "step")
                 except OSError as exc:
                     error.append(exc)
+                    return
+                # Async mode: the rename returned once journaled; S3 moves the objects in
+                # the log's turn, and sync waits for that (it fails once the daemon is killed).
+                r = run_ckptfs("sync", str(mnt.path), endpoint=proxy.endpoint)
+                if r.returncode != 0 and kill_at is None:
+                    error.append(RuntimeError(r.stderr))
             t = threading.Thread(target=rename, daemon=True)
             t.start()
             t.join(120)

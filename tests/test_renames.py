@@ -226,3 +226,43 @@ async def test_a_copy_s3_refuses_undoes_the_rename_and_the_call_fails() -> None:
         await Renames(s3, "p/").move_dir("p/step.tmp/", "p/step/", {"mode": "16877"})
     assert _whole(s3) == "before"
     assert not [k for k in s3.objects if k.startswith(("p/step/", "p/" + INTENTS))]
+
+
+async def test_an_async_directory_rename_returns_at_once_and_reads_the_objects_where_they_are(
+        tmp_path: Path) -> None:
+    """Async mode: a directory rename is an entry of the log. The call returns before S3 has
+    moved anything; meanwhile the new names read, list and stat from where S3 still holds
+    the objects, the old names are gone, and a second rename of the new name chains."""
+    from test_lookups import Kernel
+    s3 = MemoryS3()
+    config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
+                    cache_dir=str(tmp_path / "cache"), durability="async", upload_timeout=10)
+    async with trio.open_nursery() as nursery:
+        mount = await build_mount(config, s3, nursery)  # type: ignore[arg-type]
+        kernel = Kernel(mount)
+        ctx = __import__("pyfuse3").RequestContext()
+        attrs = await mount.fs.mkdir(ROOT_INODE, b"step.tmp", 0o755, ctx)
+        await kernel.write("step.tmp/applied.pt", b"in S3 already")
+        await mount.changes.backlog.drain()
+        go = trio.Event()
+        hold(s3, "put", go)  # the log stops at the next put: the ones below wait
+        await kernel.write("step.tmp/pending.pt", b"still in the log")
+        with trio.fail_after(5):  # returns without waiting for S3
+            await kernel.rename("step.tmp", "step")
+            await kernel.rename("step", "final")
+        assert not [k for k in s3.objects if k.startswith("p/step/") or k.startswith("p/final/")]
+        await kernel.drop_caches()
+        assert await kernel.listdir("") == ["final"]
+        assert await kernel.listdir("final") == ["applied.pt", "pending.pt"]
+        assert await kernel.read("final/applied.pt") == b"in S3 already"
+        assert await kernel.read("final/pending.pt") == b"still in the log"
+        go.set()
+        with trio.fail_after(10):
+            await mount.changes.backlog.drain()
+        assert _files(s3) == {"final/applied.pt": b"in S3 already",
+                              "final/pending.pt": b"still in the log"}
+        assert not [k for k in s3.objects if k.startswith(("p/step", "p/" + INTENTS))]
+        assert await kernel.read("final/applied.pt") == b"in S3 already"
+        assert mount.fs.table.physical("p/final/x") == "p/final/x"
+        del attrs
+        nursery.cancel_scope.cancel()
