@@ -1,4 +1,4 @@
-"""One retry policy: exponential backoff with full jitter, a deadline, and hurry.
+"""One retry policy: exponential backoff with jitter, a deadline, and hurry.
 
 Whether a failure is worth another attempt is decided where botocore's errors are translated
 (`S3Error.retryable`, in s3.py), by the request and the error, never by the caller. How long
@@ -47,7 +47,8 @@ class Hurry:
 
 
 class Backoff:
-    """Full jitter: attempt n waits a random time in [base/4, min(cap, base * 2**n)]."""
+    """Jitter with a floor: attempt n waits a random time in [base/4, min(cap, base * 2**n)]
+    (full jitter could draw a wait of almost nothing, and send the retry at once)."""
 
     def __init__(self, base: float, cap: float, hurry: Hurry) -> None:
         self.base, self.cap, self.hurry = base, cap, hurry
