@@ -21,6 +21,7 @@ from ckptfs.inodes import Inode, InodeTable
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
+from ckptfs.uploads import UploadRecords
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,12 @@ class Backlog(Protocol):
 class ChangesBase:
     """What both modes' Changes work with."""
 
-    def __init__(self, *, s3: S3, table: InodeTable, uploader: Uploader, cache: ObjectCache,
-                 staging: StagingArea, local: LocalCopies) -> None:
+    def __init__(self, *, s3: S3, table: InodeTable, uploader: Uploader, records: UploadRecords,
+                 cache: ObjectCache, staging: StagingArea, local: LocalCopies) -> None:
         self.s3 = s3
         self.table = table
         self.uploader = uploader
+        self.records = records  # the one writer of journal records
         self.cache = cache
         self.staging = staging
         self.local = local

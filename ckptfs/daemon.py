@@ -216,7 +216,8 @@ async def build_mount(config: Config, s3: S3, nursery: trio.Nursery,
     uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency, journal=journal,
                         upload_timeout=config.upload_timeout, nursery=nursery)
     renames = Renames(s3, config.prefix)  # every rename in S3, under an intent (renames.py)
-    oplog = OrderedLog(journal, uploader, renames, nursery=nursery)
+    records = uploader.records  # the one writer of journal records (uploads.py)
+    oplog = OrderedLog(records, uploader, renames, nursery=nursery)
     # Before the mount goes live: what an earlier daemon journaled reaches S3 first, and the
     # ordered log's entries in their order.
     report = await Recovery(journal, staging.dir, staging.preserved_dir, s3, uploader).run(
@@ -234,18 +235,18 @@ async def build_mount(config: Config, s3: S3, nursery: trio.Nursery,
     local = LocalCopies(cache, table)
     changes: Changes
     if config.durability == "async":  # every change reaches S3 through the ordered log, in order
-        changes = LoggedChanges(log=oplog, s3=s3, table=table, uploader=uploader, cache=cache,
-                                staging=staging, local=local)
+        changes = LoggedChanges(log=oplog, s3=s3, table=table, uploader=uploader, records=records,
+                                cache=cache, staging=staging, local=local)
         masks = oplog.masks
     else:
-        changes = DirectChanges(s3=s3, table=table, uploader=uploader, cache=cache,
+        changes = DirectChanges(s3=s3, table=table, uploader=uploader, records=records, cache=cache,
                                 staging=staging, local=local, nursery=nursery, renames=renames)
         masks = None
     ns = Namespace(s3, table, uid, gid, config.metadata_ttl, masks=masks)
     reader = ChunkReader(s3, cache, memory_budget=config.read_memory, nursery=nursery)
     files = OpenFiles(s3=s3, table=table, ns=ns, staging=staging, cache=cache, uploader=uploader,
-                      reader=reader, changes=changes, local=local)
-    tree = Tree(s3=s3, table=table, ns=ns, uploader=uploader, changes=changes)
+                      records=records, reader=reader, changes=changes, local=local)
+    tree = Tree(s3=s3, table=table, ns=ns, uploader=uploader, records=records, changes=changes)
     fs = CheckpointFS(table=table, ns=ns, files=files, tree=tree, staging_dir=staging.dir,
                       read_only=config.read_only, metadata_ttl=config.metadata_ttl)
     stats = Stats({"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,

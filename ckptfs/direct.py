@@ -27,16 +27,17 @@ from ckptfs.renames import Renames, rename_in_s3
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
+from ckptfs.uploads import UploadRecords
 
 log = logging.getLogger(__name__)
 
 
 class DirectChanges(ChangesBase):
-    def __init__(self, *, s3: S3, table: InodeTable, uploader: Uploader, cache: ObjectCache,
-                 staging: StagingArea, local: LocalCopies, nursery: trio.Nursery,
-                 renames: Renames) -> None:
-        super().__init__(s3=s3, table=table, uploader=uploader, cache=cache, staging=staging,
-                         local=local)
+    def __init__(self, *, s3: S3, table: InodeTable, uploader: Uploader, records: UploadRecords,
+                 cache: ObjectCache, staging: StagingArea, local: LocalCopies,
+                 nursery: trio.Nursery, renames: Renames) -> None:
+        super().__init__(s3=s3, table=table, uploader=uploader, records=records, cache=cache,
+                         staging=staging, local=local)
         self.renames = renames
         self.stages_first = False
         self.queue = UploadQueue(self._commit_in_background, table.path_of,
@@ -71,7 +72,7 @@ class DirectChanges(ChangesBase):
             started = time.monotonic()
             metadata = object_metadata(inode)
             # Journaled first: if the daemon dies mid-upload, the next mount finishes it.
-            await self.uploader.records.closed(inode.upload, key, inode.size, metadata)
+            await self.records.closed(inode.upload, key, inode.size, metadata)
             self._committing += 1
             try:
                 result = await self.uploader.finish(inode.upload, inode.staged.path, key, inode.size,
@@ -87,7 +88,7 @@ class DirectChanges(ChangesBase):
             inode.validated_at = time.monotonic()
             if inode.clock == clock:
                 inode.dirty = False
-                await self.uploader.records.forget(inode.upload)
+                await self.records.forget(inode.upload)
             self.staging.freed()
             log.debug("uploaded %s (%d bytes, %d parts) in %.2fs", key, inode.size, result.parts,
                       time.monotonic() - started)
@@ -137,7 +138,7 @@ class DirectChanges(ChangesBase):
 
     async def rename(self, src: Inode, new_parent: Inode, new_name: str, dst: Inode | None,
                      move: Callable[[], None]) -> None:
-        await rename_in_s3(self.renames, self.table, self.cache, self.uploader, src, new_parent,
+        await rename_in_s3(self.renames, self.table, self.cache, self.records, src, new_parent,
                            new_name, dst, move)
 
     def stats(self) -> dict[str, Any]:

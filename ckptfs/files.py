@@ -45,14 +45,15 @@ _TORN_KEPT = 100  # status shows the latest hundred torn writes
 
 class OpenFiles:
     def __init__(self, *, s3: S3, table: InodeTable, ns: Namespace, staging: StagingArea,
-                 cache: ObjectCache, uploader: Uploader, reader: ChunkReader, changes: Changes,
-                 local: LocalCopies) -> None:
+                 cache: ObjectCache, uploader: Uploader, records: UploadRecords,
+                 reader: ChunkReader, changes: Changes, local: LocalCopies) -> None:
         self.s3 = s3
         self.table = table
         self.ns = ns
         self.staging = staging
         self.cache = cache
         self.uploader = uploader
+        self.records = records  # the one writer of journal records
         self.reader = reader
         self.changes = changes
         self.local = local
@@ -84,7 +85,7 @@ class OpenFiles:
         node.opened(writable=True)
         try:
             if truncate:
-                await self.uploader.records.changing(node.upload)
+                await self.records.changing(node.upload)
             await self._ensure_staged(node, truncate)
         except BaseException:
             node.released(writable=True)
@@ -171,7 +172,7 @@ class OpenFiles:
         assert node.staged is not None
         self.write_calls += 1
         if node.upload.record is not None:
-            await self.uploader.records.changing(node.upload)
+            await self.records.changing(node.upload)
         try:
             written = await self._pwrite(node, buf, off)
         except (OSError, NoSpace) as exc:
@@ -213,7 +214,7 @@ class OpenFiles:
         return done
 
     async def truncate(self, node: Inode, size: int) -> None:
-        await self.uploader.records.changing(node.upload)
+        await self.records.changing(node.upload)
         await self._ensure_staged(node, truncate=size == 0)
         assert node.staged is not None
         node.staged.truncate(size)
@@ -268,7 +269,7 @@ class OpenFiles:
         """Forget the bytes of a file whose write failed: the name shows S3's object again."""
         async with node.upload_lock:
             await self.uploader.abort(node.upload)
-            await self.uploader.records.forget(node.upload)
+            await self.records.forget(node.upload)
             node.dirty = False
             node.write_error = 0
             node.drop_staged()
@@ -288,7 +289,7 @@ class OpenFiles:
         signal_number, path = node.torn, self.table.path_of(node)
         async with node.upload_lock:
             await self.uploader.abort(node.upload)
-            await self.uploader.records.forget(node.upload)
+            await self.records.forget(node.upload)
             node.dirty = False
             node.torn = 0
             staged, node.staged = node.staged, None

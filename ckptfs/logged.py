@@ -28,14 +28,15 @@ from ckptfs.renames import files_under, locked
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
-from ckptfs.uploads import FileUpload
+from ckptfs.uploads import FileUpload, UploadRecords
 
 
 class LoggedChanges(ChangesBase):
     def __init__(self, *, log: OrderedLog, s3: S3, table: InodeTable, uploader: Uploader,
-                 cache: ObjectCache, staging: StagingArea, local: LocalCopies) -> None:
-        super().__init__(s3=s3, table=table, uploader=uploader, cache=cache, staging=staging,
-                         local=local)
+                 records: UploadRecords, cache: ObjectCache, staging: StagingArea,
+                 local: LocalCopies) -> None:
+        super().__init__(s3=s3, table=table, uploader=uploader, records=records, cache=cache,
+                         staging=staging, local=local)
         self.log = log
         self.backlog = log  # what S3 does not have yet: the log's entries
         self.stages_first = True

@@ -41,13 +41,13 @@ import trio
 
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.masks import Masks
-from ckptfs.journal import Journal, PartDone, Record
+from ckptfs.journal import PartDone, Record
 from ckptfs.parts import PartPlan
 from ckptfs.renames import Renames
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile
 from ckptfs.uploader import Uploader
-from ckptfs.uploads import FileUpload
+from ckptfs.uploads import FileUpload, UploadRecords
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,9 @@ def _with_upload(rec: Record, up: FileUpload) -> Record:
 
 
 class OrderedLog:
-    def __init__(self, journal: Journal | None, uploader: Uploader, renames: Renames, *,
+    def __init__(self, records: UploadRecords, uploader: Uploader, renames: Renames, *,
                  nursery: trio.Nursery) -> None:
-        self.journal = journal
+        self.records = records  # the one writer of journal records
         self.uploader = uploader
         self.renames = renames
         self.s3 = renames.s3
@@ -274,8 +274,7 @@ class OrderedLog:
             return True
 
     async def _write(self, rec: Record) -> None:
-        if self.journal is not None:
-            await trio.to_thread.run_sync(self.journal.write, rec)
+        await self.records.write_entry(rec)
 
     def masked(self, key: str) -> bool:
         return self.masks.masked(key)
@@ -351,14 +350,13 @@ class OrderedLog:
 
     async def _retire(self, entry: Entry, etag: str | dict[str, str] | None) -> None:
         """The change is in S3: drop its record (before the next entry's turn), then report it."""
-        if self.journal is not None:
-            while True:
-                try:
-                    await trio.to_thread.run_sync(self.journal.remove, entry.rec.name)
-                    break
-                except OSError as exc:
-                    log.error("cannot remove the journal record of %s (%s); retrying", entry.path, exc)
-                    await trio.sleep(1.0)
+        while True:
+            try:
+                await self.records.remove_entry(entry.rec.name)
+                break
+            except OSError as exc:
+                log.error("cannot remove the journal record of %s (%s); retrying", entry.path, exc)
+                await trio.sleep(1.0)
         del self._entries[entry.seq]
         self.masks.release(entry.seq)
         entry.error = None

@@ -39,7 +39,7 @@ from ckptfs.errors import CkptfsError, NoSuchKey, raise_first_error
 from ckptfs.inodes import Inode, InodeTable
 from ckptfs.namespace import RESERVED_NAME, object_metadata
 from ckptfs.s3types import S3, ObjectInfo
-from ckptfs.uploader import Uploader
+from ckptfs.uploads import UploadRecords
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Renames:
 # ----- a rename made in S3 at once (close mode) --------------------------------------------
 
 async def rename_in_s3(renames: Renames, table: InodeTable, cache: ObjectCache,
-                       uploader: Uploader, src: Inode, new_parent: Inode, new_name: str,
+                       records: UploadRecords, src: Inode, new_parent: Inode, new_name: str,
                        dst: Inode | None, move: Callable[[], None]) -> None:
     """`src` (a file, or a directory with everything under it) takes `new_name` in S3, then
     in the table (`move`). The upload locks of every file under a directory are held
@@ -204,9 +204,9 @@ async def rename_in_s3(renames: Renames, table: InodeTable, cache: ObjectCache,
         else:
             await _rename_object(renames, table, cache, src, new_key, dst)
         if dst is not None:
-            await uploader.records.forget(dst.upload)
+            await records.forget(dst.upload)
         move()
-        await _rejournal(table, uploader, src)
+        await _rejournal(table, records, src)
 
 
 def files_under(table: InodeTable, node: Inode) -> list[Inode]:
@@ -244,15 +244,15 @@ class locked:
         self.held.clear()
 
 
-async def _rejournal(table: InodeTable, uploader: Uploader, node: Inode) -> None:
+async def _rejournal(table: InodeTable, records: UploadRecords, node: Inode) -> None:
     """Closed files not yet in S3 under a renamed name: their records must name the new key."""
     if node.is_dir:
         for child in table.children(node.ino):
-            await _rejournal(table, uploader, child)
+            await _rejournal(table, records, child)
         return
     rec = node.upload.record
     if rec is not None and rec.closed:
-        await uploader.records.closed(node.upload, table.key_of(node), node.size,
+        await records.closed(node.upload, table.key_of(node), node.size,
                                       object_metadata(node), rec.fsynced)
 
 

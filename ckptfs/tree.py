@@ -16,15 +16,17 @@ from ckptfs.inodes import Inode, InodeTable
 from ckptfs.namespace import Namespace
 from ckptfs.s3types import S3
 from ckptfs.uploader import Uploader
+from ckptfs.uploads import UploadRecords
 
 
 class Tree:
     def __init__(self, *, s3: S3, table: InodeTable, ns: Namespace, uploader: Uploader,
-                 changes: Changes) -> None:
+                 records: UploadRecords, changes: Changes) -> None:
         self.s3 = s3
         self.table = table
         self.ns = ns
         self.uploader = uploader
+        self.records = records  # the one writer of journal records
         self.changes = changes
 
     async def make_entry(self, parent: Inode, name: str, mode: int, uid: int, gid: int,
@@ -75,7 +77,7 @@ class Tree:
         async with node.upload_lock:
             await self.uploader.abort(node.upload)
             await self.changes.remove_file(node)
-            await self.uploader.records.forget(node.upload)
+            await self.records.forget(node.upload)
         if node.open_handles == 0:
             node.drop_staged()
         parent.touch()

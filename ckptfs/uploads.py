@@ -1,10 +1,11 @@
 """Upload state: what one staged file has in S3 so far, and its record in the journal.
 
 `FileUpload` belongs to the file's inode (inodes.py) or to a log entry (oplog.py), and
-only the uploader changes its parts; `UploadRecords` is the only writer of its journal
-record (journal.py): written when the file is closed, updated when its multipart upload
-is created, removed once the object is verified. Recovery builds a FileUpload from a
-record the same way.
+only the uploader changes its parts; `UploadRecords` is the only writer of journal records
+(journal.py) while the mount runs: an upload's, written when the file is closed, updated
+when its multipart upload is created, removed once the object is verified; and the ordered
+log's entries (`write_entry`, `remove_entry`). Recovery, which runs before the mount goes
+live, reads the journal and removes or rewrites what it delivered.
 """
 
 from __future__ import annotations
@@ -165,3 +166,14 @@ class UploadRecords:
     async def forget(self, up: FileUpload) -> None:
         """The bytes are in S3 (or were unlinked): nothing is left to recover."""
         await self.save(up, None)
+
+    async def write_entry(self, rec: Record) -> None:
+        """An entry of the ordered log (oplog.py), with its place in the sequence; the caller
+        holds the upload's record lock if the entry adopts an upload."""
+        if self.journal is not None:
+            await trio.to_thread.run_sync(self.journal.write, rec)
+
+    async def remove_entry(self, name: str) -> None:
+        """An entry the ordered log applied: its record goes (OSError if the disk refuses)."""
+        if self.journal is not None:
+            await trio.to_thread.run_sync(self.journal.remove, name)

@@ -35,7 +35,7 @@ def make(tmp_path: Path, s3: FakeS3, nursery: trio.Nursery) -> tuple[OrderedLog,
     journal = Journal(str(tmp_path))
     uploader = Uploader(s3, PartPlan(5 * MiB), 4, stream_while_writing=False, journal=journal,  # type: ignore[arg-type]
                         upload_timeout=0.5, nursery=nursery)
-    return (OrderedLog(journal, uploader, Renames(s3, "p/"), nursery=nursery),  # type: ignore[arg-type]
+    return (OrderedLog(uploader.records, uploader, Renames(s3, "p/"), nursery=nursery),  # type: ignore[arg-type]
             StagingArea(str(tmp_path)), journal)
 
 
@@ -207,7 +207,7 @@ async def streaming(tmp_path: Path, s3: FakeS3, nursery: trio.Nursery, key: str,
     journal = Journal(str(tmp_path))
     uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal,  # type: ignore[arg-type]
                         upload_timeout=10, nursery=nursery)
-    log = OrderedLog(journal, uploader, Renames(s3, "p/"), nursery=nursery)  # type: ignore[arg-type]
+    log = OrderedLog(uploader.records, uploader, Renames(s3, "p/"), nursery=nursery)  # type: ignore[arg-type]
     staged = StagingArea(str(tmp_path)).new_file()
     staged.pwrite(data, 0)
     up = FileUpload(journal_name=os.path.basename(staged.path))
