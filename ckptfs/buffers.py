@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-import trio
+from ckptfs.broadcast import Broadcast
 
 
 class BufferBudget:
@@ -23,7 +23,7 @@ class BufferBudget:
         self.limit = limit
         self._free: dict[int, list[bytearray]] = {}
         self._allocated = 0  # bytes in buffers, lent or free
-        self._released = trio.Event()
+        self._released = Broadcast()  # a buffer came back
 
     def fits(self, size: int) -> bool:
         return size <= self.limit
@@ -36,8 +36,7 @@ class BufferBudget:
             yield buf
         finally:
             self._free.setdefault(size, []).append(buf)
-            self._released.set()
-            self._released = trio.Event()
+            self._released.fire()
 
     async def _take(self, size: int) -> bytearray:
         assert self.fits(size)

@@ -39,6 +39,7 @@ from typing import Any
 
 import trio
 
+from ckptfs.broadcast import Broadcast
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.masks import Masks
 from ckptfs.journal import PartDone, Record
@@ -152,7 +153,7 @@ class OrderedLog:
         self._entries: dict[int, Entry] = {}  # not yet applied, in sequence order
         self._next_seq = 1
         self._append_lock = trio.Lock()
-        self._changed = trio.Event()
+        self._changed = Broadcast()
         self.masks = Masks()  # what S3 still shows but the mount removed, until applied
 
     # ----- appending -----------------------------------------------------
@@ -282,16 +283,12 @@ class OrderedLog:
     # ----- applying --------------------------------------------------------
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.fire()
 
     async def _turn(self, entry: Entry) -> None:
         """Return when every earlier entry is applied; from then on `entry` is visible."""
-        while True:
-            changed = self._changed
-            if next(iter(self._entries)) == entry.seq:
-                break
-            await changed.wait()
+        while next(iter(self._entries)) != entry.seq:
+            await self._changed.wait()
         if entry.fresh and entry.metadata is not None:
             # A put that is still the last change: wait out the grace from its append for a
             # rename (os.replace after torch.save to a temp name) or a chmod/utime (copy2)
@@ -392,14 +389,13 @@ class OrderedLog:
             self._entries[seq].awaited = True
         self._notify()
         while True:
-            changed = self._changed
             if last not in self._entries:
                 return []  # applied in order: everything before it is in S3 too
             failed = [(e.path, e.error or "upload failed") for seq, e in self._entries.items()
                       if seq <= last and e.attempts > start.get(seq, 0)]
             if failed:
                 return failed
-            await changed.wait()
+            await self._changed.wait()
 
     async def drain(self) -> None:
         """Return once nothing is pending (the caller bounds it with a deadline)."""

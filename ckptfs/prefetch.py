@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ckptfs.broadcast import Broadcast
 from ckptfs.cache import ObjectCache
 from ckptfs.errors import LocalWriteError, S3Error
 from ckptfs.parts import MiB
@@ -208,7 +209,7 @@ class ChunkReader:
         self._buffers = 0  # allocated so far (lazily: an idle mount holds none)
         self._free: list[mmap.mmap] = []
         self._chunks: OrderedDict[ChunkId, _Chunk] = OrderedDict()  # loading or loaded, LRU
-        self._released = trio.Event()  # set whenever a chunk's last user lets go
+        self._released = Broadcast()  # fired whenever a chunk's last user lets go
         self._nursery = nursery  # holds readahead loads, advice and writes to the disk cache
         # Local reads run in threads so the kernel's parallel readahead requests overlap the
         # disk with the FUSE loop instead of queueing behind each read.
@@ -216,7 +217,7 @@ class ChunkReader:
         # Readahead advice for cached files goes out one call at a time, in order.
         self._advice = trio.CapacityLimiter(1)
         self._writes = 0  # chunks being written to the disk cache
-        self._written = trio.Event()  # set whenever none are
+        self._written = Broadcast()  # fired whenever none are
         self.hits = 0  # reads served from a loaded buffer without waiting
         self.disk_hits = 0  # reads served from the disk cache
         self.misses = 0  # chunks fetched from S3
@@ -392,7 +393,7 @@ class ChunkReader:
     def _unuse(self, chunk: _Chunk) -> None:
         chunk.users -= 1
         if not chunk.users:
-            self._released.set()
+            self._released.fire()
 
     async def _use(self, cid: ChunkId, size: int, to_file: bool = True) -> _Chunk:
         """The loaded chunk `cid`, held for the caller until it calls _unuse (a chunk received
@@ -403,8 +404,6 @@ class ChunkReader:
                 chunk.users += 1
                 await self._load([chunk], size)
                 break
-            if self._released.is_set():
-                self._released = trio.Event()
             await self._released.wait()  # every buffer is loading or in use
         else:
             chunk.users += 1
@@ -444,7 +443,7 @@ class ChunkReader:
                 chunk.users += 1  # the buffer stays put until the disk has it
                 self._writes += 1
             chunk.ready.set()
-            self._released.set()
+            self._released.fire()
 
         def filled(i: int) -> None:  # in the GET's worker thread
             full[i] = True
@@ -470,7 +469,7 @@ class ChunkReader:
                 assert chunk.buf is not None
                 self._free.append(chunk.buf)
                 chunk.ready.set()
-                self._released.set()
+                self._released.fire()
         if self.cache is not None:
             for chunk, want in zip(chunks, wants):
                 if chunk.error is None:
@@ -514,7 +513,7 @@ class ChunkReader:
                 del self._chunks[chunk.cid]  # readers find it in the disk cache now
             self._receiving -= 1
             chunk.ready.set()
-            self._released.set()
+            self._released.fire()
 
         def filled(i: int) -> None:  # in the GET's worker thread
             full[i] = True
@@ -567,15 +566,13 @@ class ChunkReader:
             self._unuse(chunk)
             self._writes -= 1
             if not self._writes:
-                self._written.set()
+                self._written.fire()
 
     async def settle(self, timeout: float = 30) -> None:
         """Wait for the cache writes in flight (at unmount: a fetched chunk is not fetched again
         after the next mount)."""
         with trio.move_on_after(timeout):
             while self._writes:
-                if self._written.is_set():
-                    self._written = trio.Event()
                 await self._written.wait()
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import trio
 
+from ckptfs.broadcast import Broadcast
 from ckptfs.errors import UploadError
 from ckptfs.inodes import Inode
 from ckptfs.retry import Backoff
@@ -33,7 +34,7 @@ class UploadQueue:
         self._commit = commit
         self._path_of = path_of
         self._pending: dict[int, _Entry] = {}
-        self._changed = trio.Event()
+        self._changed = Broadcast()
         self._backoff = backoff
         self._nursery = nursery  # runs the retries
         self.uploaded = 0
@@ -73,8 +74,7 @@ class UploadQueue:
             self._notify()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.fire()
 
     async def wait(self, path: str = "") -> list[tuple[str, str]]:
         """Wait until everything pending under `path` is in S3 or has failed an attempt since now.

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import trio
 
+from ckptfs.broadcast import Broadcast
 from ckptfs.errors import S3Error, UploadError
 
 log = logging.getLogger(__name__)
@@ -29,21 +30,17 @@ T = TypeVar("T")
 
 
 class Hurry:
-    """An event that can fire again and again: waits in progress end when it does."""
+    """Fired by a spot notice: backoff sleeps in progress end when it is."""
 
     def __init__(self) -> None:
-        self._event = trio.Event()
+        self._fired = Broadcast()
 
     def now(self) -> None:
-        self._event.set()
-        self._event = trio.Event()
+        self._fired.fire()
 
     async def sleep(self, seconds: float) -> bool:
         """Sleep `seconds`; True if hurry() cut it short."""
-        event = self._event
-        with trio.move_on_after(seconds):
-            await event.wait()
-        return event.is_set()
+        return await self._fired.wait_for(seconds)
 
 
 class Backoff:

@@ -11,7 +11,7 @@ import os
 import logging
 import time
 
-import trio
+from ckptfs.broadcast import Broadcast
 
 log = logging.getLogger(__name__)
 
@@ -86,18 +86,16 @@ class StagingArea:
         # Where files of an earlier run that cannot be delivered are kept for the operator.
         self.preserved_dir = os.path.join(cache_dir, "preserved", time.strftime("%Y%m%dT%H%M%S"))
         self.preserved: str | None = None
-        self._freed = trio.Event()
+        self._freed = Broadcast()
 
     def freed(self) -> None:
         """Staged bytes left the disk, or can now (uploaded, set aside, dropped): writers
         waiting for space look again."""
-        self._freed.set()
-        self._freed = trio.Event()
+        self._freed.fire()
 
     async def wait_freed(self, deadline: float) -> None:
         """Until the next `freed()`, or the trio time `deadline`."""
-        with trio.move_on_at(deadline):
-            await self._freed.wait()
+        await self._freed.wait_until(deadline)
 
     def preserve_leftovers(self, keep: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         """Move staged files of an earlier daemon that no journal record claims aside, never
