@@ -21,7 +21,7 @@ from ckptfs.cache import ObjectCache
 from ckptfs.changes import ChangesBase, LocalCopies
 from ckptfs.errors import UploadError
 from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
-from ckptfs.namespace import object_metadata
+from ckptfs.metadata import object_metadata
 from ckptfs.queue import UploadQueue
 from ckptfs.renames import Renames, rename_in_s3
 from ckptfs.s3types import S3

@@ -29,13 +29,14 @@ from ckptfs.cache import ObjectCache
 from ckptfs.changes import Changes, LocalCopies
 from ckptfs.errors import CkptfsError, NoSpace
 from ckptfs.inodes import Inode, InodeTable
-from ckptfs.namespace import Namespace, object_metadata
+from ckptfs.metadata import object_metadata
+from ckptfs.namespace import Namespace
 from ckptfs.opener import Opener, killing_signal
 from ckptfs.prefetch import ChunkReader, ReadStream
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile, StagingArea, copy_file
 from ckptfs.uploader import Uploader
-from ckptfs.uploads import FileUpload
+from ckptfs.uploads import FileUpload, UploadRecords
 
 log = logging.getLogger(__name__)
 

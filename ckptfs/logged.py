@@ -22,7 +22,7 @@ from ckptfs.changes import ChangesBase, LocalCopies
 from ckptfs.errors import Refused
 from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
 from ckptfs.journal import Record
-from ckptfs.namespace import object_metadata
+from ckptfs.metadata import object_metadata
 from ckptfs.oplog import Entry, OrderedLog
 from ckptfs.renames import files_under, locked
 from ckptfs.s3types import S3

@@ -20,6 +20,7 @@ import trio
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, SPECIAL_TYPES, Inode, InodeTable
 from ckptfs.masks import Masks, no_masks
+from ckptfs.metadata import parse_stamp
 from ckptfs.s3types import MARKED_MAX, S3, ListPage, ObjectInfo, is_marked
 
 log = logging.getLogger(__name__)
@@ -47,23 +48,6 @@ def is_reserved(parent: Inode, name: str) -> bool:
 def valid_name(name: str) -> bool:
     return name not in ("", ".", "..") and "/" not in name and len(name.encode(
         "utf-8", "surrogateescape")) <= NAME_MAX
-
-
-def _stamp(ns: int) -> str:
-    return f"{ns // 10**9}.{ns % 10**9:09d}"
-
-
-def object_metadata(inode: Inode) -> dict[str, str]:
-    """x-amz-meta-* headers, in the names s3fs-fuse uses, so both tools read each other's files.
-    ctime rides along in every request that sends metadata anyway (a chmod's copy included);
-    atime is never stored: it would cost a request per read."""
-    return {
-        "mode": str(inode.mode),
-        "uid": str(inode.uid),
-        "gid": str(inode.gid),
-        "mtime": _stamp(inode.mtime_ns),
-        "ctime": _stamp(inode.ctime_ns),
-    } | ({"rdev": str(inode.rdev)} if inode.rdev else {})
 
 
 # Directories other tools mark with an object of their own, not a "dir/" key: s3fs (and
@@ -98,16 +82,6 @@ def _kind_changed(child: Inode, info: ObjectInfo) -> bool:
     """A HEAD says the object is of another type than the table's inode (a symlink or special
     file where it has a plain one, or the other way round): the kernel needs a new inode."""
     return stat.S_IFMT(child.mode) != _kind_of(info) and child.open_handles == 0
-
-
-def _parse_mtime(text: str | None, default_ns: int) -> int:
-    if not text:
-        return default_ns
-    try:
-        whole, _, frac = text.partition(".")
-        return int(whole) * 10**9 + int((frac + "000000000")[:9])
-    except ValueError:
-        return default_ns
 
 
 class Namespace:
@@ -205,8 +179,8 @@ class Namespace:
                 inode.mode = kind | stat.S_IMODE(mode)
             inode.uid = _int(md.get("uid"), self.uid)
             inode.gid = _int(md.get("gid"), self.gid)
-            inode.mtime_ns = _parse_mtime(md.get("mtime"), mtime_default)
-            inode.ctime_ns = _parse_mtime(md.get("ctime"), inode.ctime_ns)
+            inode.mtime_ns = parse_stamp(md.get("mtime"), mtime_default)
+            inode.ctime_ns = parse_stamp(md.get("ctime"), inode.ctime_ns)
             inode.meta_known = True
         elif not inode.meta_known:
             inode.mtime_ns = mtime_default
@@ -441,7 +415,7 @@ class Namespace:
         inode.mode = stat.S_IFDIR | stat.S_IMODE(_int(md.get("mode"), 0o755))
         inode.uid = _int(md.get("uid"), self.uid)
         inode.gid = _int(md.get("gid"), self.gid)
-        inode.mtime_ns = _parse_mtime(md.get("mtime"), inode.mtime_ns)
+        inode.mtime_ns = parse_stamp(md.get("mtime"), inode.mtime_ns)
         inode.meta_known = True
 
     async def _head_small(self, dir_key: str, directory: Inode,

@@ -45,7 +45,6 @@ from ckptfs.masks import Masks
 from ckptfs.journal import PartDone, Record
 from ckptfs.parts import PartPlan
 from ckptfs.renames import Renames
-from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload, UploadRecords

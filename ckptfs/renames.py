@@ -37,7 +37,8 @@ import trio
 from ckptfs.cache import ObjectCache
 from ckptfs.errors import CkptfsError, NoSuchKey, raise_first_error
 from ckptfs.inodes import Inode, InodeTable
-from ckptfs.namespace import RESERVED_NAME, object_metadata
+from ckptfs.metadata import object_metadata
+from ckptfs.namespace import RESERVED_NAME
 from ckptfs.s3types import S3, ObjectInfo
 from ckptfs.uploads import UploadRecords
 
