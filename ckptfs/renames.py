@@ -84,6 +84,16 @@ class Renames:
         the marker objects of the empty directory the rename replaces, deleted first (stores
         with real folders delete a folder recursively: never after the copies)."""
         objects = await self.s3.list_keys(src)
+        if not objects:
+            # Nothing under the source: the move was made before (the log replays an entry
+            # whose record a crash left behind) or the directory never reached S3. Nothing
+            # of the destination may be deleted now: a store with real folders deletes a
+            # folder's contents with its marker. It only gets its marker if it has none.
+            try:
+                await self.s3.head(dst)
+            except NoSuchKey:
+                await self.s3.put(dst, b"", metadata)
+            return {}
         intent = await self._begin(src, dst, objects, metadata, None, also_delete)
         for key in replaced:
             await self.s3.delete(key)

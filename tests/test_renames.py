@@ -266,3 +266,26 @@ async def test_an_async_directory_rename_returns_at_once_and_reads_the_objects_w
         assert mount.fs.table.physical("p/final/x") == "p/final/x"
         del attrs
         nursery.cancel_scope.cancel()
+
+
+class FolderS3(MemoryS3):
+    """A store with real folders, as SeaweedFS: deleting "dir/" deletes what is under it."""
+
+    async def delete(self, key: str, deadline: Any = None) -> None:
+        if key.endswith("/"):
+            for k in [k for k in self.objects if k.startswith(key) and k != key]:
+                await super().delete(k, deadline)
+        await super().delete(key, deadline)
+
+
+async def test_a_replayed_directory_move_onto_a_replaced_directory_keeps_what_it_moved() -> None:
+    # The log replays a dirmove whose S3 work was done but whose record a crash left behind:
+    # deleting the replaced (empty) directory's marker then would take the moved checkpoint
+    # with it on a store with real folders.
+    s3 = FolderS3()
+    await _seed(s3)
+    await s3.put("p/step/", b"", {})  # the empty directory the rename replaces
+    renames = Renames(s3, "p/")
+    for _ in range(2):  # the move, then its replay
+        await renames.move_dir("p/step.tmp/", "p/step/", {"mode": "16877"}, (), ("p/step/",))
+    assert _whole(s3) == "after"
