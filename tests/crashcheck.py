@@ -167,21 +167,26 @@ class Verdict:
     detail: str = ""
 
 
-def _daemon_pid(mountpoint: Path) -> int:
+def daemon_pid(mountpoint: Path) -> int:
     with open(state_path(str(mountpoint))) as f:
         return int(json.load(f)["pid"])
 
 
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+
+
+def wait_dead(pid: int) -> None:
+    """Until the SIGKILLed `pid` is gone (or a zombie), at most 10 s."""
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
+                    return
         except FileNotFoundError:
-            break
+            return
         time.sleep(0.02)
 
 
@@ -193,7 +198,7 @@ def trial(server, s3, work: Path, variant: str, rng: random.Random, max_delay: f
     history = tmp / "history.jsonl"
     try:
         mnt = mounter(*mount_args)
-        pid = _daemon_pid(mnt.path)
+        pid = daemon_pid(mnt.path)
         writer = subprocess.Popen([sys.executable, __file__, "trainer", str(mnt.path), str(history),
                                    str(rng.randrange(1 << 30)), "50"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

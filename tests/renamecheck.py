@@ -38,9 +38,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import BUCKET, Mounter, force_unmount, run_ckptfs  # noqa: E402
+from crashcheck import daemon_pid, wait_dead  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 
-from ckptfs.client import state_path  # noqa: E402
 from devtools import devserver  # noqa: E402
 
 MiB = 1 << 20
@@ -97,11 +97,6 @@ def judge_mount(root: Path, want: dict[str, str]) -> tuple[bool, str]:
     return (seen == want), (names[0] if seen == want else f"{names[0]} holds {sorted(seen)}")
 
 
-def _daemon_pid(mountpoint: Path) -> int:
-    with open(state_path(str(mountpoint))) as f:
-        return int(json.load(f)["pid"])
-
-
 def trial(server, s3, work: Path, mode: str, variant: str, kill_at: int | None,
           files: int, size: int, seed: int) -> Verdict:
     """One rename, the daemon killed before its request number `kill_at` (None: never)."""
@@ -123,7 +118,7 @@ def trial(server, s3, work: Path, mode: str, variant: str, kill_at: int | None,
                 want[name] = _sha(data)
             r = run_ckptfs("sync", str(mnt.path), endpoint=proxy.endpoint)
             assert r.returncode == 0, r.stderr
-            pid = _daemon_pid(mnt.path)
+            pid = daemon_pid(mnt.path)
             seen = [0]
             killed = threading.Event()
 
@@ -160,7 +155,7 @@ def trial(server, s3, work: Path, mode: str, variant: str, kill_at: int | None,
                 assert not error, error
                 mounter.close()
             else:
-                _wait_dead(pid)
+                wait_dead(pid)
                 force_unmount(str(mnt.path))
             got = s3_files(s3, prefix)
             ok, outcome = judge_s3(got, want)
@@ -189,18 +184,6 @@ def trial(server, s3, work: Path, mode: str, variant: str, kill_at: int | None,
             for m in mounter.mounts:
                 force_unmount(str(m.path))
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _wait_dead(pid: int) -> None:
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.02)
 
 
 def kill_points(server, s3, work: Path, mode: str, variant: str, points: int, files: int,
