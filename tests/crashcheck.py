@@ -236,13 +236,18 @@ def trial(server, s3, work: Path, variant: str, rng: random.Random, max_delay: f
                 return Verdict(True, done, i)
         return Verdict(False, done, None, f"after remount and sync: {describe(got, prefixes[done])}")
     finally:
-        try:
-            mounter.close()
-        except AssertionError:
-            pass
-        for m in mounter.mounts:
-            force_unmount(str(m.path))
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(mounter, tmp)
+
+
+def discard(mounter: Mounter, tmp: Path) -> None:
+    """A trial's mounts unmounted (forced if a daemon was killed) and its files removed."""
+    try:
+        mounter.close()
+    except AssertionError:
+        pass
+    for m in mounter.mounts:
+        force_unmount(str(m.path))
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> int:

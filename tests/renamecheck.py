@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import BUCKET, Mounter, force_unmount, run_ckptfs  # noqa: E402
-from crashcheck import daemon_pid, wait_dead  # noqa: E402
+from crashcheck import daemon_pid, discard, wait_dead  # noqa: E402
 from faultproxy import FaultProxy  # noqa: E402
 
 from devtools import devserver  # noqa: E402
@@ -177,13 +177,7 @@ def trial(server, s3, work: Path, mode: str, variant: str, kill_at: int | None,
                 return Verdict(False, requests, outcome, "the intent was not completed")
             return Verdict(True, requests, outcome)
         finally:
-            try:
-                mounter.close()
-            except AssertionError:
-                pass
-            for m in mounter.mounts:
-                force_unmount(str(m.path))
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard(mounter, tmp)
 
 
 def kill_points(server, s3, work: Path, mode: str, variant: str, points: int, files: int,
