@@ -9,12 +9,12 @@ for_tests=0
 
 PY=${PYTHON:-python3}
 need_apt=()
-packages=(fuse3 libfuse3-dev pkg-config)
+packages=(fuse3 pkg-config)
 [ $for_tests -eq 1 ] && packages+=(autoconf automake make openssl)
 for pkg in "${packages[@]}"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
-# pyfuse3 builds from source: it needs a compiler and the Python headers.
+# libfuse and pyfuse3 build from source (scripts/install_fuse.sh): a compiler, the Python headers.
 command -v gcc >/dev/null || need_apt+=(gcc)
 "$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
     || need_apt+=(python3-dev)
@@ -38,5 +38,7 @@ pip_q() {  # pip install, minus the harmless warnings about a missing local inde
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
     pip_q "torch==2.13.0"
 fi
+# libfuse >= 3.17.4 and pyfuse3 with FUSE passthrough, from third_party/ (Debian 12 has 3.14).
+bash scripts/install_fuse.sh .venv/bin/python
 pip_q -e ".[test]"
 .venv/bin/python -c 'import ckptfs, pyfuse3, torch' || { echo "setup failed: the venv is incomplete" >&2; exit 1; }
