@@ -104,8 +104,7 @@ class SendfileSender:
         if conn is not None and conn.sock is not None:
             # An idle keep-alive connection the server closed reads as ready (EOF): open a
             # new one instead of failing a request on it.
-            readable, _, _ = select.select([conn.sock], [], [], 0)
-            if readable:
+            if _readable(conn.sock.fileno()):
                 conn.close()
                 conn = None
         if conn is None:
@@ -267,3 +266,11 @@ def receive_into_files(response: http.client.HTTPResponse, targets: list[tuple[i
         if filled is not None:
             filled(i)
     return spliced
+
+
+def _readable(fd: int) -> bool:
+    """Whether `fd` has data or EOF waiting, without blocking. poll(2), not select(2): a
+    daemon with many files open (cached chunks, backing files) has sockets past FD_SETSIZE."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))

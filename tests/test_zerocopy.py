@@ -82,6 +82,35 @@ def test_parts_and_objects_go_up_whole_and_checked(s3_server: S3Server, s3, pref
     assert s3.get_object(Bucket=BUCKET, Key=small)["Body"].read() == data[:1000]
 
 
+def test_a_connection_numbered_past_fd_setsize_is_reused(s3_server: S3Server, s3, prefix: str,
+                                                         credentials: None) -> None:
+    """A daemon with many files open (cached chunks, backing files) gets sockets numbered past
+    select()'s 1024: checking an idle connection used to raise ValueError there."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2048:
+        pytest.fail(f"RLIMIT_NOFILE hard limit {hard} is below 2048; this test needs more")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    filler = []
+    try:
+        while not filler or filler[-1] < 1100:
+            filler.append(os.open("/dev/null", os.O_RDONLY))
+        c, sender = client(s3_server.endpoint)
+        data = os.urandom(100000)
+
+        async def main() -> None:
+            with staged(data) as f:
+                for n in range(3):  # the second and third check the first's idle connection
+                    await c.put_file(f"{prefix}/high-{n}.bin", f.fileno(), len(data), {})
+        trio.run(main)
+        assert sender.sent == 3
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert s3.get_object(Bucket=BUCKET, Key=f"{prefix}/high-2.bin")["Body"].read() == data
+
+
 def test_a_damaged_body_is_refused_and_a_reset_retried(s3_server: S3Server, s3, prefix: str,
                                                       credentials: None) -> None:
     data = os.urandom(3 * MiB)
