@@ -199,7 +199,9 @@ class LoggedChanges(ChangesBase):
         new_key = self.table.key_of(new_parent) + new_name
         new_path = (self.table.path_of(new_parent) + "/" + new_name).lstrip("/")
         entry = self.log.latest_put(src)
-        if entry is not None and await self.log.retarget(entry, new_key, new_path, move):
+        replaces = dst is not None and dst.has_object
+        if entry is not None and await self.log.retarget(entry, new_key, new_path, move,
+                                                         replaces=replaces):
             return
         if src.has_object:
             def effect() -> None:

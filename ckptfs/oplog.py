@@ -216,8 +216,12 @@ class OrderedLog:
     def entries_of(self, owner: Any) -> list[Entry]:
         return [e for e in self._entries.values() if e.owner is owner]
 
-    async def retarget(self, entry: Entry, key: str, path: str, effect: Callable[[], None]) -> bool:
+    async def retarget(self, entry: Entry, key: str, path: str, effect: Callable[[], None],
+                       replaces: bool = False) -> bool:
         """Move the last entry, a put of a name that had no object, to `key` (a rename of it).
+        `replaces`: S3 has (or will have) an object at `key`, which the put now replaces; a
+        later rename of it is then a copy and a delete, never another retarget (that would
+        leave the replaced object behind).
 
         False if it is no longer the last entry or its object is already being made visible.
         Parts already streamed under the old key are sent again under the new one: S3 never
@@ -242,6 +246,7 @@ class OrderedLog:
             else:
                 await self._write(rec)
             entry.rec, entry.path, entry.up = rec, path, None
+            entry.fresh = not replaces
             log.debug("log entry %d: the put moves to %s", entry.seq, path)
             if entry.scope is not None:
                 entry.scope.cancel()  # it starts again under the new key

@@ -268,6 +268,28 @@ async def test_an_async_directory_rename_returns_at_once_and_reads_the_objects_w
         nursery.cancel_scope.cancel()
 
 
+async def test_a_put_renamed_onto_a_file_then_away_leaves_no_object_at_the_first_name(
+        tmp_path: Path) -> None:
+    """Async mode: a rename right after close moves the put to the new name (no copy in S3).
+    Moved onto a file S3 has (or will have), the put replaces that object; renamed away again,
+    S3 must lose that name too (found by test_lookups: the replaced object came back)."""
+    from test_lookups import Kernel
+    s3 = MemoryS3()
+    config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
+                    cache_dir=str(tmp_path / "cache"), durability="async", upload_timeout=10)
+    async with trio.open_nursery() as nursery:
+        mount = await build_mount(config, s3, nursery)  # type: ignore[arg-type]
+        kernel = Kernel(mount)
+        await kernel.write("a", b"first")
+        await kernel.write("b", b"second")
+        await kernel.rename("b", "a")  # os.replace(tmp, final)
+        await kernel.rename("a", "b")
+        with trio.fail_after(10):
+            await mount.changes.backlog.drain()
+        assert _files(s3) == {"b": b"second"}
+        nursery.cancel_scope.cancel()
+
+
 class FolderS3(MemoryS3):
     """A store with real folders, as SeaweedFS: deleting "dir/" deletes what is under it."""
 
