@@ -157,6 +157,15 @@ class ObjectCache:
             return fd, base
         return None
 
+    def whole_path(self, key: str, etag: str, size: int) -> str | None:
+        """The path of the whole object's file, if the cache has all of it (for passthrough:
+        an open descriptor keeps the bytes even if the entry is evicted meanwhile)."""
+        name = self._name(key, etag, "all")
+        if self._lru.get(name) != size:
+            return None
+        self._lru.move_to_end(name)
+        return self._path(name)
+
     def adopt(self, key: str, etag: str, path: str, size: int) -> None:
         """Move a clean local file (an uploaded staged file) in as the whole object."""
         self._drop_other_versions(key, etag)
@@ -201,12 +210,52 @@ class ObjectCache:
         for name in list(self._by_key.get(_h(key, 32), ())):
             self._remove(name)
 
+    def make_room(self, free: int) -> int:
+        """Evict least recently used entries until the cache disk has `free` bytes free (or
+        the cache is empty); returns the bytes freed. With passthrough the kernel writes the
+        cache disk itself, so room for writers is made ahead of them (passthrough.py)."""
+        freed = 0
+        while self._lru and free_bytes(self.dir) < free:
+            victim = next(iter(self._lru))
+            freed += self._lru[victim]
+            self._remove(victim)
+            self.evicted += 1
+        return freed
+
     def reclaim(self) -> int:
         """Delete everything (the cache disk is full); returns the bytes freed."""
         freed = self.total
         for name in list(self._lru):
             self._remove(name)
         return freed
+
+    def open_chunks(self, key: str, etag: str, size: int, chunk_size: int) -> list[int] | None:
+        """Read-only descriptors of every chunk of the object, in order, if all are cached
+        (open descriptors keep the bytes even if an entry is evicted meanwhile)."""
+        fds: list[int] = []
+        for index in range((size + chunk_size - 1) // chunk_size):
+            name = self._name(key, etag, str(index))
+            want = min(chunk_size, size - index * chunk_size)
+            try:
+                if self._lru.get(name) != want:
+                    raise FileNotFoundError(name)
+                fds.append(os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                for fd in fds:
+                    os.close(fd)
+                return None
+        return fds
+
+    def whole_tmp(self, key: str, etag: str) -> tuple[str, str]:
+        name = self._name(key, etag, "all")
+        return name, self._path(name) + f".{os.getpid()}.tmp"
+
+    def commit_whole(self, key: str, etag: str, name: str, tmp: str, size: int) -> None:
+        """Publish a whole object assembled in its temp file; its chunks go."""
+        if name in self._lru or size > self.budget:
+            os.unlink(tmp)
+            return
+        self.adopt(key, etag, tmp, size)
 
     # ----- chunks --------------------------------------------------------------
 
@@ -226,3 +275,30 @@ class ObjectCache:
         os.rename(tmp, self._path(name))
         self._add(name, size)
         self._evict(keep=name)
+
+
+def concatenate(fds: list[int], dest: str, size: int, chunk_size: int) -> None:
+    """Write the chunk files `fds` one after the other into a new file `dest`, in the kernel
+    (copy_file_range); call from a worker thread."""
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        for index, fd in enumerate(fds):
+            want, done = min(chunk_size, size - index * chunk_size), 0
+            while done < want:
+                n = os.copy_file_range(fd, out, want - done, done, index * chunk_size + done)
+                if n == 0:
+                    raise OSError(f"chunk {index} of {dest} is short")
+                done += n
+    finally:
+        os.close(out)
+
+
+def free_bytes(path: str) -> int:
+    """Bytes of the file system under `path` that an unprivileged writer may still use."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def disk_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize

@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--metrics-addr", help="serve Prometheus metrics at http://HOST:PORT/metrics")
     m.add_argument("--metadata-ttl", help="seconds S3's answers about names and attributes are "
                    "trusted, and missing names remembered (default 1)")
+    m.add_argument("--passthrough", help="auto (default: the kernel reads and writes local files "
+                   "itself where it can: kernel 6.9+, CAP_SYS_ADMIN), on (or fail the mount), off")
     m.add_argument("--log-level", help="debug, info, warning or error")
     m.add_argument("--config", help="TOML file of these options (underscored names)")
 
@@ -260,6 +262,8 @@ def _status(mountpoint: str, as_json: bool) -> int:
           f"({_human(st['upload_throughput_bytes_per_second'])}/s over the last 10 s); "
           f"downloaded: {_human(st['bytes_downloaded'])}; read cache: "
           f"{_human(st['cache_bytes'])} of {_human(st['cache_budget'])}")
+    if "passthrough" in st:
+        print(f"passthrough: {'on' if st['passthrough'] else 'off'} ({st['passthrough_reason']})")
     for p in pending[:20]:
         print(f"  {p['path']}  {_human(p['size'])}" + (f"  last error: {p['error']}" if p["error"] else ""))
     if len(pending) > 20:

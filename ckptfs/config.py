@@ -27,6 +27,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DURABILITY = ("close", "async")
+PASSTHROUGH = ("auto", "on", "off")
 
 
 def parse_size(text: str | int) -> int:
@@ -120,6 +121,7 @@ class Config:
     spot_poll_interval: float = 5.0
     metrics_addr: str | None = None
     metadata_ttl: float = 1.0  # how long S3's answers about names and attributes are trusted
+    passthrough: str = "auto"  # the kernel reads and writes local files itself (passthrough.py)
 
     @property
     def bucket(self) -> str:
@@ -144,6 +146,8 @@ class Config:
             raise ConfigError("--read-memory must be at least 16MiB")
         if self.durability not in DURABILITY:
             raise ConfigError(f"--durability must be one of {', '.join(DURABILITY)}")
+        if self.passthrough not in PASSTHROUGH:
+            raise ConfigError(f"--passthrough must be one of {', '.join(PASSTHROUGH)}")
         if not self.drain_timeout > 0:
             raise ConfigError("--drain-timeout must be a positive number of seconds")
         if not self.upload_timeout > 0:

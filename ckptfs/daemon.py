@@ -42,6 +42,7 @@ from ckptfs.recovery import Recovery
 from ckptfs.renames import Renames
 from ckptfs.retry import RetryPolicy
 from ckptfs.parts import PartPlan
+from ckptfs.passthrough import Passthrough, PassthroughError
 from ckptfs.prefetch import ChunkReader
 from ckptfs.s3 import S3Client, make_boto_client, preflight
 from ckptfs.s3types import S3
@@ -247,12 +248,14 @@ async def build_mount(config: Config, s3: S3, nursery: trio.Nursery,
     files = OpenFiles(s3=s3, table=table, ns=ns, staging=staging, cache=cache, uploader=uploader,
                       records=records, reader=reader, changes=changes, local=local)
     tree = Tree(s3=s3, table=table, ns=ns, uploader=uploader, records=records, changes=changes)
+    passthrough = Passthrough(config.passthrough, config.cache_dir, uploader, files, nursery)
     fs = CheckpointFS(table=table, ns=ns, files=files, tree=tree, staging_dir=staging.dir,
-                      read_only=config.read_only, metadata_ttl=config.metadata_ttl)
+                      read_only=config.read_only, metadata_ttl=config.metadata_ttl,
+                      passthrough=passthrough)
     stats = Stats({"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
                    "cache_dir": config.cache_dir, "durability": config.durability,
                    "recovery": report.as_dict()},
-                  [uploader, *counted, reader, cache, files, changes, journal, fs],
+                  [uploader, *counted, reader, cache, files, changes, journal, fs, passthrough],
                   draining=lambda: fs.draining, pending=changes.backlog.pending)
     return Mount(fs, files, changes, uploader, reader, oplog, journal, staging, stats)
 
@@ -283,6 +286,12 @@ async def _mount_and_serve(config: Config, mount: Mount, nursery: trio.Nursery,
     notifier = Notifier()
     real_mountpoint = os.path.realpath(config.mountpoint)
     try:
+        fs.enable_passthrough = fs.passthrough is not None and fs.passthrough.want()
+    except PassthroughError as exc:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        raise MountError(str(exc)) from None
+    try:
         pyfuse3.init(fs, config.mountpoint, options)
     except RuntimeError as exc:
         if metrics_server is not None:
@@ -299,6 +308,7 @@ async def _mount_and_serve(config: Config, mount: Mount, nursery: trio.Nursery,
             services.start_soon(_watch_signals, mount, config.drain_timeout, notifier)
             services.start_soon(_report_status, stats, notifier)
             services.start_soon(_tune_connection, fs, real_mountpoint)
+            services.start_soon(_report_passthrough, mount, config.passthrough)
             if config.spot_termination_watch:
                 services.start_soon(watch_spot, config.imds_endpoint, config.spot_poll_interval,
                                     functools.partial(_on_spot_notice, mount))
@@ -315,6 +325,24 @@ async def _mount_and_serve(config: Config, mount: Mount, nursery: trio.Nursery,
         pyfuse3.close(unmount=True)
         if metrics_server is not None:
             metrics_server.shutdown()
+
+
+async def _report_passthrough(mount: Mount, mode: str) -> None:
+    """One line once the kernel answered INIT: which path the bytes take, and why."""
+    fs = mount.fs
+    await fs.initialized.wait()
+    pt = fs.passthrough
+    if pt is None:
+        return
+    if pt.enabled:
+        log.info("passthrough on: %s", pt.reason)
+        mount.reader.assemble = True  # whole cached objects: later opens pass through
+    elif mode == "on":
+        log.error("--passthrough on: %s; unmounting", pt.reason)
+        pyfuse3.terminate()
+    else:
+        log.info("passthrough off: %s; bytes go through the daemon, with the writeback cache",
+                 pt.reason)
 
 
 def _report_unmount(config: Config, mount: Mount) -> int:

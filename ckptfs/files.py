@@ -60,11 +60,13 @@ class OpenFiles:
         self.local = local
         self.space_wait = uploader.upload_timeout  # how long a writer waits for space
         self.write_calls = 0
+        self.bytes_written = 0  # through the daemon's write handler
         self.local_read_bytes = 0  # reads answered from staged files and local copies
         self.torn_writes: list[dict] = []  # writers killed mid-write: not published
 
     def stats(self) -> dict[str, Any]:
-        return {"write_calls": self.write_calls, "local_read_bytes": self.local_read_bytes,
+        return {"write_calls": self.write_calls, "bytes_written": self.bytes_written,
+                "local_read_bytes": self.local_read_bytes,
                 "torn_writes": list(self.torn_writes)}
 
     # ----- open ---------------------------------------------------------------
@@ -182,6 +184,7 @@ class OpenFiles:
             log.error("write to %s failed, the file will not be uploaded: %s",
                       self.table.path_of(node), exc)
             raise
+        self.bytes_written += written
         if off + written > node.size:
             node.size = off + written
         node.changed()
@@ -214,9 +217,12 @@ class OpenFiles:
             await self.staging.wait_freed(waited_until)
         return done
 
-    async def truncate(self, node: Inode, size: int) -> None:
+    async def truncate(self, node: Inode, size: int, in_place: bool = False) -> None:
+        """`in_place`: the kernel writes the staged file itself (passthrough), so the truncate
+        goes to that very file, even one a pending put holds (it never moves to a copy)."""
         await self.records.changing(node.upload)
-        await self._ensure_staged(node, truncate=size == 0)
+        if not (in_place and node.staged is not None):
+            await self._ensure_staged(node, truncate=size == 0)
         assert node.staged is not None
         node.staged.truncate(size)
         self.uploader.note_truncate(node.upload, size)

@@ -27,6 +27,7 @@ from ckptfs.files import OpenFiles
 from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
 from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace, is_reserved
 from ckptfs.opener import Opener, opener_of
+from ckptfs.passthrough import Passthrough
 from ckptfs.prefetch import ReadStream
 from ckptfs.tree import Tree
 
@@ -70,6 +71,13 @@ class Handle:
     writable: bool
     stream: ReadStream = field(default_factory=ReadStream)
     opener: Opener | None = None  # who opened it for writing (FLUSH does not say who closes)
+    backing_id: int = 0  # the inode's backing file, named by this handle (passthrough.py)
+    direct_io: bool = False  # ... but the daemon serves the handle's reads and writes
+
+    @property
+    def kernel_writes(self) -> bool:
+        """The kernel writes the backing file itself for this handle."""
+        return self.writable and bool(self.backing_id) and not self.direct_io
 
 
 @dataclass(eq=False)
@@ -80,11 +88,17 @@ class DirHandle:
 
 class CheckpointFS(pyfuse3.Operations):
     supports_dot_lookup = False
-    enable_writeback_cache = True
+    enable_writeback_cache = True  # unless passthrough is granted: the kernel allows one only
 
     def __init__(self, *, table: InodeTable, ns: Namespace, files: OpenFiles, tree: Tree,
-                 staging_dir: str, read_only: bool, metadata_ttl: float) -> None:
+                 staging_dir: str, read_only: bool, metadata_ttl: float,
+                 passthrough: Passthrough | None = None) -> None:
         super().__init__()
+        self.passthrough = passthrough
+        # Read by pyfuse3 at INIT (the patched binding of third_party/pyfuse3); the daemon
+        # sets it from Passthrough.want() before mounting.
+        self.enable_passthrough = False
+        self.passthrough_stack_depth = passthrough.depth if passthrough is not None else 0
         self.table = table
         self.ns = ns
         self.files = files
@@ -105,9 +119,13 @@ class CheckpointFS(pyfuse3.Operations):
 
     def init(self) -> None:
         # libfuse calls this while it answers the kernel's INIT; the reply goes out right after.
+        if self.passthrough is not None:
+            self.passthrough.negotiated()
         self.initialized.set()
 
     def _attrs(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        if self.passthrough is not None:  # size and times of what the kernel wrote itself
+            self.passthrough.refresh(inode)
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode.ino
         a.generation = 0
@@ -211,7 +229,9 @@ class CheckpointFS(pyfuse3.Operations):
             self._check_writable()
             if node.is_dir:
                 raise _fail(errno.EISDIR)
-            await self.files.truncate(node, attr.st_size)
+            # While the kernel writes the staged file, a truncate goes to that file too.
+            in_place = self.passthrough is not None and self.passthrough.busy(node)
+            await self.files.truncate(node, attr.st_size, in_place=in_place)
         meta_changed = (fields.update_mode or fields.update_uid or fields.update_gid
                         or fields.update_mtime)
         if meta_changed and self.read_only:
@@ -359,14 +379,17 @@ class CheckpointFS(pyfuse3.Operations):
             raise _fail(errno.EISDIR)
         if existing is not None and flags & os.O_EXCL:
             raise _fail(errno.EEXIST)
+        await self._make_room("/".join(filter(None, (self.table.path_of(parent), child_name))))
         if existing is not None:
             node = existing
+            await self._unheld(node)
             await self.files.open_for_write(node, truncate=bool(flags & os.O_TRUNC))
         else:
             node = self.files.create(parent, child_name, mode & ~ctx.umask, ctx.uid, ctx.gid)
         node.lookups += 1
-        fh = self._new_fh(Handle(node, writable=True, opener=opener_of(ctx.pid)))
-        return pyfuse3.FileInfo(fh=fh), self._attrs(node)
+        handle = Handle(node, writable=True, opener=opener_of(ctx.pid))
+        info = self._file_info(handle)
+        return info, self._attrs(node)
 
     @_guarded
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
@@ -377,15 +400,50 @@ class CheckpointFS(pyfuse3.Operations):
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY or bool(flags & os.O_TRUNC)
         if writable:
             self._check_writable()
+            await self._make_room(self.table.path_of(node))
+            await self._unheld(node)
             await self.files.open_for_write(node, truncate=bool(flags & os.O_TRUNC))
         else:
             node.opened(writable=False)
-        # The kernel's page cache stays valid while the object is the version it cached.
-        keep_cache = node.is_local or node.page_etag == node.etag
-        node.page_etag = node.etag
         opener = opener_of(ctx.pid) if writable else None
-        return pyfuse3.FileInfo(fh=self._new_fh(Handle(node, writable, opener=opener)),
-                                keep_cache=keep_cache)
+        return self._file_info(Handle(node, writable, opener=opener))
+
+    def _file_info(self, handle: Handle) -> pyfuse3.FileInfo:
+        """The open reply: the kernel reads and writes the local file itself where the bytes
+        are local (passthrough.py), else the daemon serves the handle."""
+        node = handle.inode
+        pt = self.passthrough
+        pages_valid = True
+        if pt is not None and pt.enabled:
+            path, staged = None, True
+            if node.staged is not None:
+                path = node.staged.path
+            elif node.etag is not None:
+                path, staged = self.files.cache.whole_path(
+                    self.table.object_key(node), node.etag, node.size), False
+            handle.backing_id, handle.direct_io, pages_valid = pt.open(
+                node, path, handle.writable, staged)
+        if handle.backing_id:
+            node.page_etag = None  # the kernel's pages of this inode are bypassed
+            return pyfuse3.FileInfo(fh=self._new_fh(handle), backing_id=handle.backing_id,
+                                    direct_io=handle.direct_io, keep_cache=False)
+        # The kernel's page cache stays valid while the object is the version it cached.
+        keep_cache = pages_valid and (node.is_local or node.page_etag == node.etag)
+        node.page_etag = node.etag
+        return pyfuse3.FileInfo(fh=self._new_fh(handle), keep_cache=keep_cache)
+
+    async def _make_room(self, path: str) -> None:
+        if self.passthrough is not None and self.passthrough.enabled:
+            await self.passthrough.make_room(path)
+
+    async def _unheld(self, node: Inode) -> None:
+        """Before the staged bytes may move to a copy (files._unshare): while passthrough
+        handles still write the held file, wait until they are released or the log has
+        published it; the kernel writes only where the handle was opened."""
+        pt = self.passthrough
+        while (pt is not None and pt.busy(node) and node.staged is not None
+               and node.staged.held):
+            await trio.sleep(0.005)
 
     @_guarded
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -411,6 +469,9 @@ class CheckpointFS(pyfuse3.Operations):
         handle = self._file_handle(fh)
         if not handle.writable:
             return
+        if self.passthrough is not None:
+            self.passthrough.refresh(handle.inode)  # what the kernel wrote since the last look
+            self.passthrough.check_full(handle.inode)
         if handle.inode.write_error:
             raise _fail(handle.inode.write_error)
         await self.files.close(handle.inode, handle.opener)
@@ -418,6 +479,9 @@ class CheckpointFS(pyfuse3.Operations):
     @_guarded
     async def fsync(self, fh: int, datasync: bool) -> None:
         node = self._file_handle(fh).inode
+        if self.passthrough is not None:
+            self.passthrough.refresh(node)
+            self.passthrough.check_full(node)
         if node.write_error:
             raise _fail(node.write_error)
         await self.files.fsync(node)
@@ -426,6 +490,8 @@ class CheckpointFS(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
         if isinstance(handle, Handle):
+            if self.passthrough is not None:
+                self.passthrough.released(handle.inode, handle.backing_id, handle.kernel_writes)
             await self.files.release(handle.inode, handle.writable)
 
     # ----- extended attributes and statfs --------------------------------

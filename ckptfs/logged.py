@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import trio
+
 from ckptfs.cache import ObjectCache
 from ckptfs.changes import ChangesBase, LocalCopies
 from ckptfs.errors import Refused
@@ -26,7 +28,7 @@ from ckptfs.metadata import object_metadata
 from ckptfs.oplog import Entry, OrderedLog
 from ckptfs.renames import files_under, locked
 from ckptfs.s3types import S3
-from ckptfs.staging import StagedFile, StagingArea
+from ckptfs.staging import StagedFile, StagingArea, copy_file
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload, UploadRecords
 
@@ -51,6 +53,11 @@ class LoggedChanges(ChangesBase):
             if node.write_error:
                 raise Refused(node.write_error)
             staged = node.staged
+            if staged.held:
+                # An earlier put publishes this very file, and the kernel wrote it since
+                # (passthrough: the write did not go to a copy, files._unshare). This put
+                # gets a copy of its own: one staged file, and journal record, per entry.
+                staged = await self._snapshot(staged, node.size)
             key = self.table.key_of(node)
             # No object at the name before this put: a rename right after may retarget it.
             fresh = not node.has_object
@@ -80,8 +87,17 @@ class LoggedChanges(ChangesBase):
             finally:
                 if not appended:
                     staged.held = False
-                    if node.staged is not staged:  # a write moved to a copy: nothing uses it
+                    if node.staged is not staged:  # a copy, or a write moved to a copy
                         staged.remove()
+
+    async def _snapshot(self, live: StagedFile, size: int) -> StagedFile:
+        copy = self.staging.new_file()
+        try:
+            await trio.to_thread.run_sync(copy_file, live.path, copy.fd, size)
+        except BaseException:
+            copy.remove()
+            raise
+        return copy
 
     def _entry_done(self, entry: Entry, etag: str | None) -> None:
         """S3 has applied a log entry about this inode (its `owner`)."""

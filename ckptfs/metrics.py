@@ -93,6 +93,15 @@ class _Collector:
         yield counter("downloaded_bytes", "Bytes fetched from S3 for reads", s["bytes_downloaded"])
         yield counter("local_read_bytes", "Bytes read from staged files and local copies",
                       s["local_read_bytes"])
+        yield counter("written_bytes", "Bytes written to staged files, through the daemon or "
+                      "(as the files grew) by the kernel itself", s["bytes_written"]
+                      + s.get("bytes_written_passthrough", 0))
+        yield gauge("passthrough", "1 if the kernel reads and writes local files itself",
+                    int(s.get("passthrough", False)))
+        yield counter("passthrough_opens", "Opens the kernel serves from a local file itself",
+                      s.get("passthrough_opens", 0))
+        yield counter("passthrough_fallbacks", "Opens of local files the daemon had to serve",
+                      s.get("passthrough_fallbacks", 0))
         yield counter("uploads", "Files made durable in S3", s["uploads_done"])
         yield counter("upload_failures", "Uploads that failed after retries", s["upload_failures"])
         yield counter("parts_uploaded", "Multipart parts uploaded", s["parts_sent"])

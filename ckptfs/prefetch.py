@@ -34,6 +34,7 @@ it waits for another, so the pool cannot deadlock.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -45,10 +46,12 @@ from dataclasses import dataclass, field
 import trio
 
 from ckptfs.broadcast import Broadcast
-from ckptfs.cache import ObjectCache
+from ckptfs.cache import ObjectCache, concatenate
 from ckptfs.errors import LocalWriteError, S3Error
 from ckptfs.parts import MiB
 from ckptfs.s3types import S3
+
+_WANT_WHOLE = 64  # objects read to the end whose chunks are awaited for assembly
 
 log = logging.getLogger(__name__)
 
@@ -224,9 +227,54 @@ class ChunkReader:
         self.bytes_downloaded = 0
         self.bytes_spliced = 0  # of those, received into the disk cache by splice(2)
         self.gets = 0
+        # Set when the kernel can read local files itself (passthrough.py): an object whose
+        # chunks are all in the disk cache becomes one file there, which later opens use.
+        self.assemble = False
+        self._assembling: set[tuple[str, str]] = set()
+        # Objects a reader read to the end before all their chunks were in the cache: looked
+        # at again as chunks of them are stored (at most _WANT_WHOLE, the latest).
+        self._want_whole: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.assembled = 0
+
+    def _chunk_stored(self, key: str, etag: str) -> None:
+        size = self._want_whole.get((key, etag))
+        if size is not None:
+            self._assemble_soon(key, etag, size)
+
+    def _assemble_soon(self, key: str, etag: str, size: int) -> None:
+        assert self.cache is not None
+        if (key, etag) in self._assembling or self.cache.whole_path(key, etag, size) is not None:
+            return
+        chunks = self.cache.open_chunks(key, etag, size, self.chunk_size)
+        if chunks is None:  # not all cached (yet)
+            self._want_whole[(key, etag)] = size
+            while len(self._want_whole) > _WANT_WHOLE:
+                self._want_whole.popitem(last=False)
+            return
+        self._want_whole.pop((key, etag), None)
+        self._assembling.add((key, etag))
+        self._nursery.start_soon(self._assemble, key, etag, size, chunks)
+
+    async def _assemble(self, key: str, etag: str, size: int, chunks: list[int]) -> None:
+        """Copy an object's cached chunks, in the kernel, into one file of the cache."""
+        assert self.cache is not None
+        name, tmp = self.cache.whole_tmp(key, etag)
+        try:
+            await trio.to_thread.run_sync(concatenate, chunks, tmp, size, self.chunk_size)
+            self.cache.commit_whole(key, etag, name, tmp, size)
+            self.assembled += 1
+        except OSError as exc:
+            log.debug("read cache: could not assemble %s: %s", key, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        finally:
+            for fd in chunks:
+                os.close(fd)
+            self._assembling.discard((key, etag))
 
     def stats(self) -> dict[str, int]:
         return {"bytes_downloaded": self.bytes_downloaded, "bytes_spliced": self.bytes_spliced,
+                "objects_assembled": self.assembled,
                 "chunk_cache_hits": self.hits,
                 "chunk_cache_misses": self.misses, "chunk_disk_hits": self.disk_hits}
 
@@ -245,11 +293,17 @@ class ChunkReader:
             data = await self._read_chunk(key, etag, size, k, max(offset, base),
                                           min(end, base + self.chunk_size))
             if first == last:
+                self._reached(key, etag, size, end)
                 # pyfuse3 replies from this view before any other task runs, so a buffer it
                 # points into cannot be reused under it.
                 return data
             pieces.append(bytes(data))  # never hold one chunk while waiting for the next
+        self._reached(key, etag, size, end)
         return b"".join(pieces)
+
+    def _reached(self, key: str, etag: str, size: int, end: int) -> None:
+        if end == size and self.assemble and self.cache is not None:
+            self._assemble_soon(key, etag, size)  # a reader reached the end: all cached?
 
     async def _read_chunk(self, key: str, etag: str, size: int, k: int, lo: int,
                           hi: int) -> bytes | memoryview:
@@ -499,6 +553,7 @@ class ChunkReader:
                 self.bytes_downloaded += wants[i]
                 try:
                     cache.commit_chunk(key, etag, name, tmp, wants[i])
+                    self._chunk_stored(key, etag)
                 except OSError as exc:  # its readers fetch it again, into a buffer
                     log.debug("could not cache chunk %d of %s: %s", chunk.cid[2], key, exc)
                     _unlink(tmp)
@@ -559,6 +614,7 @@ class ChunkReader:
             await trio.to_thread.run_sync(store_file, tmp, chunk.buf, chunk.length,
                                           limiter=self._local_reads)
             self.cache.commit_chunk(key, etag, name, tmp, chunk.length)
+            self._chunk_stored(key, etag)
         except OSError as exc:  # a full cache disk only costs a later GET
             log.debug("could not cache chunk %d of %s: %s", k, key, exc)
             _unlink(tmp)

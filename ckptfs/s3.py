@@ -374,21 +374,23 @@ class S3Client:
 
     async def upload_part(self, key: str, upload_id: str, number: int, fd: int, start: int,
                           size: int, deadline: float | None = None,
-                          crc: int | None = None) -> tuple[str, int]:
+                          crc: int | None = None, reread: bool = False) -> tuple[str, int]:
         """Upload bytes [start, start + size) of `fd` as part `number`, with their CRC32
         (which the server checks: a part damaged on the way is refused, and sent again).
         `crc`: their CRC32 as the writes computed it, if known; a retry reads it again from
-        the file. Returns (ETag, CRC32)."""
+        the file. `reread`: the bytes are in the page cache (the kernel wrote them: FUSE
+        passthrough), so a pass for the CRC32 costs less than a buffer. Returns (ETag, CRC32)."""
         def send(body: Any, crc: int) -> str:
             with _mapped(f"UploadPart {number}", key):
                 r = self._c.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                         PartNumber=number, Body=body, ChecksumCRC32=b64_crc32(crc))
             return r["ETag"]
         return await self._send_range(f"UploadPart {number} of {key}", fd, start, size, deadline,
-                                      send, crc)
+                                      send, crc, reread)
 
     async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
-                       deadline: float | None = None, crc: int | None = None) -> tuple[str, int]:
+                       deadline: float | None = None, crc: int | None = None,
+                       reread: bool = False) -> tuple[str, int]:
         """PutObject of the first `size` bytes of `fd`, with their CRC32 (`crc`, if the writes
         computed it, as for upload_part); (ETag, CRC32)."""
         def send(body: Any, crc: int) -> str:
@@ -396,18 +398,18 @@ class S3Client:
                 r = self._c.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata,
                                        ChecksumCRC32=b64_crc32(crc))
             return _etag(r)
-        return await self._send_range(f"PUT {key}", fd, 0, size, deadline, send, crc)
+        return await self._send_range(f"PUT {key}", fd, 0, size, deadline, send, crc, reread)
 
     async def _send_range(self, what: str, fd: int, start: int, size: int,
                           deadline: float | None,
                           send: Callable[[Any, int], str],
-                          known_crc: int | None = None) -> tuple[str, int]:
+                          known_crc: int | None = None, reread: bool = False) -> tuple[str, int]:
         """Send bytes [start, start + size) of `fd` with `send(body, crc)` in a worker thread,
         retried. The body is a view of the file (sent with sendfile over plain HTTP, else a
         MiB at a time) where the client sends with sendfile, where `known_crc` gives its
         CRC32 (the writes computed it: no pass is needed for it on the first attempt; a
         server that refuses it gets the file's own CRC32 on the retry), and for a body
-        larger than the whole memory budget; those take a first pass for their CRC32.
+        larger than the whole memory budget, or `reread`; those take a first pass for their CRC32.
         Otherwise (HTTPS, a CRC32 not known) the bytes are read once into a buffer of the
         budget, then checksummed and sent from it."""
         known = [] if known_crc is None else [known_crc]
@@ -421,7 +423,7 @@ class S3Client:
             crc = known.pop() if known else crc_of_range(fd, start, size)
             return send(FileRange(fd, start, size), crc), crc
 
-        if self.sendfile or known or not self.bodies.fits(size):
+        if self.sendfile or known or reread or not self.bodies.fits(size):
             return await self._retried(what, deadline, lambda: trio.to_thread.run_sync(
                 streamed, limiter=self.limiter))
         async with self.bodies.borrow(size) as buf:

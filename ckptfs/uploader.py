@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts
+from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts, crcs_of_ranges
 from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
 from ckptfs.journal import Journal
 from ckptfs.parts import PartPlan, PartRange
@@ -58,6 +58,8 @@ class Uploader:
         self.upload_failures = 0
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last is +Inf
         self.latency_sum = 0.0
+        self.parts_rechecked = 0  # sent parts checked against the file at completion
+        self.parts_rechecked_changed = 0  # ... and sent again because their bytes changed
         self.records = UploadRecords(journal, plan)  # the journal records of uploads
         self.upload_timeout = upload_timeout
         self.policy = policy or s3.policy
@@ -66,6 +68,8 @@ class Uploader:
         return {"uploads_in_flight": self._active, "uploads_done": self.uploads_done,
                 "upload_failures": self.upload_failures, "parts_sent": self.parts_sent,
                 "retries": self.policy.retries, "bytes_uploaded": self.bytes_uploaded,
+                "parts_rechecked": self.parts_rechecked,
+                "parts_rechecked_changed": self.parts_rechecked_changed,
                 "latency_counts": list(self.latency_counts), "latency_sum": self.latency_sum}
 
     # ----- deadlines and bookkeeping of work in flight, for drain ----------
@@ -173,8 +177,11 @@ class Uploader:
                         await before_visible()
                         deadline = max(deadline, self.deadline())  # the wait is not the PUT's
                     result = await self._put(fd, key, size, metadata, deadline,
-                                             self.known_crc(up, PartRange(1, 0, size)))
+                                             self.known_crc(up, PartRange(1, 0, size)),
+                                             up.unseen_writes)
                 else:
+                    if up.unseen_writes and up.parts:
+                        await self._recheck_sent(up, fd, size)
                     result = await self._complete(up, fd, key, size, metadata, deadline,
                                                   before_visible)
             finally:
@@ -223,8 +230,8 @@ class Uploader:
             await event.wait()
 
     async def _put(self, fd: int, key: str, size: int, metadata: dict[str, str],
-                   deadline: float, known_crc: int | None) -> UploadResult:
-        etag, crc = await self.s3.put_file(key, fd, size, metadata, deadline, known_crc)
+                   deadline: float, known_crc: int | None, reread: bool) -> UploadResult:
+        etag, crc = await self.s3.put_file(key, fd, size, metadata, deadline, known_crc, reread)
         self.bytes_uploaded += size
         await self._verify(key, size, etag, crc, deadline)
         return UploadResult(etag, 1)
@@ -256,7 +263,8 @@ class Uploader:
             # again by s3.py, like every transient fault; it is never completed.
             try:
                 etag, crc = await self.s3.upload_part(key, upload_id, r.number, fd, r.start,
-                                                      r.size, deadline, crc=known)
+                                                      r.size, deadline, crc=known,
+                                                      reread=up.unseen_writes)
             except BaseException:
                 if known is not None:  # whatever failed, the next attempt reads the file
                     up.crcs.pop(r.number, None)
@@ -284,6 +292,22 @@ class Uploader:
         finally:
             up.sending.pop(r.number).set()
             self._end()
+
+    async def _recheck_sent(self, up: FileUpload, fd: int, size: int) -> None:
+        """Writes the daemon did not see (passthrough): a part sent while the file was
+        written is sent again if its bytes in the file no longer have the CRC32 it was sent
+        with (a rewrite, a seek back, an mmap write, a truncate)."""
+        await self._wait_sending(up)
+        ranges = {r.number: r for r in (up.plan or self.plan).ranges(size)}
+        sent = [(n, rec) for n, rec in up.parts.items()
+                if (r := ranges.get(n)) is not None and (rec.start, rec.end) == (r.start, r.end)]
+        crcs = await trio.to_thread.run_sync(
+            crcs_of_ranges, fd, [(rec.start, rec.end - rec.start) for _, rec in sent])
+        for (n, rec), crc in zip(sent, crcs):
+            if crc != rec.crc:  # (not a tick of the write clock: that is the file's own)
+                del up.parts[n]
+                self.parts_rechecked_changed += 1
+        self.parts_rechecked += len(sent)
 
     async def _complete(self, up: FileUpload, fd: int, key: str, size: int,
                         metadata: dict[str, str], deadline: float,

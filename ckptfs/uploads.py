@@ -59,6 +59,9 @@ class FileUpload:
     record_clock: int = -1  # `clock` when a closed record was written
     record_lock: trio.Lock = field(default_factory=trio.Lock)
     plan: PartPlan | None = None  # the part sizes of these bytes, if not the uploader's own
+    # The file was written where the daemon could not see (FUSE passthrough): `touched`
+    # misses those writes, so sent parts are checked against the file before completion.
+    unseen_writes: bool = False
 
     def current(self, r: PartRange) -> bool:
         rec = self.parts.get(r.number)

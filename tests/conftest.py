@@ -125,8 +125,16 @@ class Mount:
             raise AssertionError(f"ckptfs unmount failed: {r.stderr}\n{self.log[-3000:]}")
 
 
+# Which path the bytes take in the mount tier's mounts (`ckptfs mount --passthrough`): the
+# default lets ckptfs choose (passthrough, as root on this kernel); CKPTFS_TEST_PASSTHROUGH=off
+# runs every mount on the daemon's path. Tests that need one path say so themselves.
+PASSTHROUGH = os.environ.get("CKPTFS_TEST_PASSTHROUGH", "auto")
+
+
 class Mounter:
-    def __init__(self, server: S3Server, tmp: Path, prefix: str, tls: bool = False) -> None:
+    def __init__(self, server: S3Server, tmp: Path, prefix: str, tls: bool = False,
+                 passthrough: str = PASSTHROUGH) -> None:
+        self.passthrough = passthrough
         self.server = server
         self.tmp = tmp
         self.prefix = prefix
@@ -143,6 +151,8 @@ class Mounter:
             path.mkdir()
         cache = cache_dir or self.tmp / f"cache{self._n}"
         source = f"s3://{BUCKET}/{prefix or self.prefix}"
+        if "--passthrough" not in extra:
+            extra = (*extra, "--passthrough", self.passthrough)
         r = run_ckptfs("mount", source, str(path), "--cache-dir", str(cache),
                        "--endpoint-url", self.endpoint, *extra, endpoint=self.endpoint,
                        ca_bundle=self.ca_bundle)
@@ -167,6 +177,24 @@ class Mounter:
 @pytest.fixture
 def mounter(s3_server: S3Server, tmp_path: Path, prefix: str) -> Iterator[Mounter]:
     m = Mounter(s3_server, tmp_path, prefix)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+# The tests of what the byte path decides (POSIX semantics of open files, killed writers, a
+# full cache disk, pjdfstest) run on both paths: the kernel's passthrough and the daemon's.
+BOTH_PATHS = {"params": ["on", "off"], "ids": ["passthrough", "daemon-path"]}
+both_paths = pytest.mark.parametrize("passthrough", **{"argvalues": BOTH_PATHS["params"],
+                                                       "ids": BOTH_PATHS["ids"]})
+
+
+def mounter_on_both_paths(request: pytest.FixtureRequest, s3_server: S3Server, tmp_path: Path,
+                          prefix: str) -> Iterator[Mounter]:
+    """A module's `mounter` fixture, parametrized with BOTH_PATHS: every test of the module
+    runs on both paths."""
+    m = Mounter(s3_server, tmp_path, prefix, passthrough=request.param)
     try:
         yield m
     finally:

@@ -207,7 +207,8 @@ class MemoryS3:
         return await self._request("PUT", key, deadline, effect)
 
     async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
-                       deadline: float | None = None, crc: int | None = None) -> tuple[str, int]:
+                       deadline: float | None = None, crc: int | None = None,
+                       reread: bool = False) -> tuple[str, int]:
         self.part_crcs.append((0, crc))  # part 0: a single PUT
         body = os.pread(fd, size, 0)
         if crc is not None and crc != crc32(body):
@@ -227,7 +228,7 @@ class MemoryS3:
 
     async def upload_part(self, key: str, upload_id: str, number: int, fd: int, start: int,
                           size: int, deadline: float | None = None,
-                          crc: int | None = None) -> tuple[str, int]:
+                          crc: int | None = None, reread: bool = False) -> tuple[str, int]:
         self.part_crcs.append((number, crc))
         def effect() -> tuple[str, int]:
             self.part_gate.wait(10)

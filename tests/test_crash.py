@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BUCKET, Mounter, S3Server, force_unmount, run_ckptfs, s3_bytes, s3_keys
+from conftest import (BUCKET, Mounter, S3Server, both_paths, force_unmount, run_ckptfs, s3_bytes,
+                      s3_keys)
 from crashcheck import trial
 from renamecheck import kill_points
 from test_faults import journal_records, kill_daemon
@@ -102,9 +103,11 @@ def status(mnt) -> dict:
 
 
 @pytest.mark.parametrize("durability", ["close", "async"])
+@both_paths
 def test_a_killed_writer_never_replaces_the_last_good_checkpoint(mounter: Mounter, s3, prefix: str,
-                                                                  durability: str) -> None:
-    mnt = mounter("--durability", durability, "--part-size", "5MiB")
+                                                                  durability: str,
+                                                                  passthrough: str) -> None:
+    mnt = mounter("--durability", durability, "--part-size", "5MiB", "--passthrough", passthrough)
     good = os.urandom(2 * MiB)
     (mnt.path / "latest.pt").write_bytes(good)
     assert run_ckptfs("sync", str(mnt.path)).returncode == 0
@@ -141,8 +144,10 @@ def test_a_killed_writer_never_replaces_the_last_good_checkpoint(mounter: Mounte
     assert open_uploads(s3, prefix) == []
 
 
-def test_a_killed_writer_thread_and_an_inherited_descriptor(mounter: Mounter, s3, prefix: str) -> None:
-    mnt = mounter("--durability", "async")
+@both_paths
+def test_a_killed_writer_thread_and_an_inherited_descriptor(mounter: Mounter, s3, prefix: str,
+                                                            passthrough: str) -> None:
+    mnt = mounter("--durability", "async", "--passthrough", passthrough)
     (mnt.path / "t.pt").write_bytes(b"good")
     # The file is opened by a thread that ends; the process is killed later.
     code = r"""

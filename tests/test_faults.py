@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BUCKET, Mounter, S3Server, run_ckptfs, s3_bytes, s3_keys
+from conftest import BUCKET, Mounter, S3Server, both_paths, run_ckptfs, s3_bytes, s3_keys
 from test_streaming import hand_over, open_uploads, wait_for_parts
 
 from ckptfs import client
@@ -256,9 +256,12 @@ def tmpfs(tmp_path: Path):
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+# Both paths of the bytes: with passthrough the kernel writes the cache disk itself, so room
+# is made before the writer opens, and a write that hit the full disk fails its close too.
+@both_paths
 def test_full_cache_disk_fails_the_writer_and_keeps_earlier_files(mounter: Mounter, s3, prefix: str,
-                                                                  tmpfs: Path) -> None:
-    mnt = mounter("--part-size", "5MiB", cache_dir=tmpfs / "cache")
+                                                                  tmpfs: Path, passthrough: str) -> None:
+    mnt = mounter("--part-size", "5MiB", "--passthrough", passthrough, cache_dir=tmpfs / "cache")
     a, b = os.urandom(24 * MiB), os.urandom(24 * MiB)
     (mnt.path / "a.pt").write_bytes(a)
     (mnt.path / "b.pt").write_bytes(b)  # fits only once a's local copy is reclaimed
@@ -276,10 +279,12 @@ def test_full_cache_disk_fails_the_writer_and_keeps_earlier_files(mounter: Mount
     mnt.unmount()
 
 
+@both_paths
 def test_full_cache_disk_writer_waits_for_uploads_to_free_space(proxied, s3, prefix: str,
-                                                               tmpfs: Path) -> None:
+                                                               tmpfs: Path, passthrough: str) -> None:
     proxy, mounter = proxied
-    mnt = mounter("--durability", "async", "--part-size", "5MiB", cache_dir=tmpfs / "cache")
+    mnt = mounter("--durability", "async", "--part-size", "5MiB", "--passthrough", passthrough,
+                  cache_dir=tmpfs / "cache")
     proxy.delay = 0.3
     a, b = os.urandom(24 * MiB), os.urandom(24 * MiB)
     (mnt.path / "a.pt").write_bytes(a)  # returns at once; uploads slowly

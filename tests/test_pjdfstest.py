@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Mounter
+from conftest import REPO, Mounter, both_paths
 
 SOURCE = REPO / "third_party" / "pjdfstest"
 EXPECTED = Path(__file__).with_name("pjdfstest_expected_failures.txt")
@@ -101,9 +101,10 @@ def run_script(script: Path, workdir: Path) -> Outcome:
 
 @pytest.mark.pjdfstest
 @pytest.mark.parametrize("durability", ["close", "async"])
+@both_paths
 def test_pjdfstest_fails_only_the_listed_subtests(mounter: Mounter, pjdfstest: Path,
-                                                  durability: str) -> None:
-    mnt = mounter("--allow-other", "--durability", durability)
+                                                  durability: str, passthrough: str) -> None:
+    mnt = mounter("--allow-other", "--durability", durability, "--passthrough", passthrough)
     scripts = sorted(p for d in DIRECTORIES for p in (pjdfstest / "tests" / d).glob("*.t"))
     names = [str(p.relative_to(pjdfstest / "tests")) for p in scripts]
     # Two at a time, each in a directory of its own: what they check stays their own.
@@ -117,7 +118,8 @@ def test_pjdfstest_fails_only_the_listed_subtests(mounter: Mounter, pjdfstest: P
                   for n, line in sorted(o.failed.items()) if n not in expected.get(name, ())]
     now_pass = [f"{name} {n}" for name, numbers in expected.items() for n in sorted(numbers)
                 if n not in outcomes.get(name, Outcome()).failed]
-    print(f"pjdfstest, --durability {durability}: {failed} of {total} subtests fail "
+    print(f"pjdfstest, --durability {durability} --passthrough {passthrough}: {failed} of "
+          f"{total} subtests fail "
           f"({100 * failed / max(total, 1):.1f} %), {len(unexpected)} off the list")
     assert len(outcomes) == len(scripts) and total > 6000
     assert not unexpected, ("subtests off the list failed:\n" + "\n".join(

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import BUCKET, Mounter, run_ckptfs, s3_bytes
+from conftest import BUCKET, Mounter, both_paths, run_ckptfs, s3_bytes
 
 MiB = 1 << 20
 
@@ -32,9 +32,11 @@ def _peak_rss(pid: int) -> int:
 
 
 @pytest.mark.parametrize("durability", ["close", "async"])
+@both_paths
 def test_a_checkpoint_goes_up_and_comes_back_over_https(tls_mounter: Mounter, s3, prefix: str,
-                                                         durability: str) -> None:
-    mnt = tls_mounter("--durability", durability, "--part-size", "5MiB")
+                                                         durability: str, passthrough: str) -> None:
+    mnt = tls_mounter("--durability", durability, "--part-size", "5MiB",
+                      "--passthrough", passthrough)
     assert mnt.endpoint.startswith("https://")
     model = os.urandom(23 * MiB + 123)  # five parts, the last one short
     (mnt.path / "step_1").mkdir()
@@ -52,9 +54,11 @@ def test_a_checkpoint_goes_up_and_comes_back_over_https(tls_mounter: Mounter, s3
     # staged file without a buffer of the budget.
     assert status["upload_memory_bytes"] == 0, status
 
-    # A header patched after the rest went out (as torch.save's zip writer does): that
-    # part's CRC32 is read from the file, once, into a buffer of the budget, and it is sent
-    # from there.
+    # A header patched after the rest went out (as torch.save's zip writer does): on the
+    # daemon's path that part's CRC32 is read from the file, once, into a buffer of the
+    # budget, and it is sent from there. With passthrough every part is read twice from the
+    # page cache instead (the kernel wrote it: the daemon never had the bytes), never into
+    # a buffer.
     shuffled = bytearray(os.urandom(12 * MiB))
     with open(mnt.path / "step_1" / "optim.pt", "wb") as f:
         f.write(shuffled)
@@ -69,7 +73,10 @@ def test_a_checkpoint_goes_up_and_comes_back_over_https(tls_mounter: Mounter, s3
         assert r.returncode == 0, r.stderr
     assert s3_bytes(s3, f"{prefix}/step_1/optim.pt") == shuffled
     status = _status(mnt)
-    assert 0 < status["upload_memory_bytes"] <= status["upload_memory_limit"], status
+    if passthrough == "on":
+        assert status["upload_memory_bytes"] == 0, status
+    else:
+        assert 0 < status["upload_memory_bytes"] <= status["upload_memory_limit"], status
 
     # A fresh mount reads it cold: every byte through the bounce buffer, none spliced.
     cold = tls_mounter()
@@ -80,12 +87,13 @@ def test_a_checkpoint_goes_up_and_comes_back_over_https(tls_mounter: Mounter, s3
     assert status["retries"] == 0
 
 
+@both_paths
 def test_writes_over_https_stay_out_of_daemon_memory(tls_mounter: Mounter, s3,
-                                                     prefix: str) -> None:
+                                                     prefix: str, passthrough: str) -> None:
     """Eight ranks write at once: their parts go up from the staged files a MiB at a time,
     and the daemon's peak memory grows by a buffer per thread and the TLS state, not by
     the --upload-memory budget (48 MiB) that parts used to be read into."""
-    mnt = tls_mounter("--part-size", "5MiB")
+    mnt = tls_mounter("--part-size", "5MiB", "--passthrough", passthrough)
     pid = _status(mnt)["pid"]
     before = _peak_rss(pid)
     shards = {f"rank_{i}.distcp": os.urandom(20 * MiB + i) for i in range(8)}
