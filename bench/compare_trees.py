@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,8 @@ def main() -> int:
     ap.add_argument("--writers", type=int, default=8)
     ap.add_argument("--writer-mib", type=int, default=128)
     ap.add_argument("--work", default="/var/tmp")
+    ap.add_argument("--after-args", default="", help='options for the after tree\'s mounts only, '
+                    'e.g. "--passthrough off" (the before tree may not know them)')
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.before, "ckptfs", "__init__.py")):
         ap.error(f"no ckptfs package in {args.before} (git archive REV ckptfs | tar -x -C DIR)")
@@ -38,6 +41,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="ckptfs-compare-", dir=args.work)
     server = wb.start_server(work)
     bench = wb.Bench(work, server)
+    bench.passthrough_modes = [None]  # each tree's own default, unless --after-args says
     try:
         big = os.path.join(work, "random-1g.bin")
         with open(big, "wb") as f:
@@ -48,6 +52,7 @@ def main() -> int:
             bench.round, start = rnd, len(bench.rows)
             for name in (["before", "after"] if rnd % 2 == 0 else ["after", "before"]):
                 bench.env = dict(bench.env, PYTHONPATH=trees[name])
+                bench.ckptfs_args = shlex.split(args.after_args) if name == "after" else []
                 bench.ckptfs_both(f"file-1GiB {name}", bench.copy_writer(big), os.path.getsize(big))
                 bench.ckptfs_both(f"writers-{args.writers}x{args.writer_mib}MiB {name}",
                                   bench.parallel_writer(rank, args.writers),

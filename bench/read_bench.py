@@ -64,6 +64,7 @@ class ReadBench:
         self.daemon: dict[tuple[str, str], list[tuple[float, int]]] = {}  # (CPU s, peak RSS) per round
         self.client: dict[tuple[str, str], list[float]] = {}  # the client's CPU s per GiB
         self.ckptfs_args: list[str] = []
+        self.passthrough_modes: list[str | None] = ["on", "off"]
         self._n = 0
 
     def path(self, name: str) -> str:
@@ -114,12 +115,12 @@ class ReadBench:
 
     # ----- mounts ------------------------------------------------------------
 
-    def mount_ckptfs(self, cache: str, prefix: str = "data") -> str:
+    def mount_ckptfs(self, cache: str, prefix: str = "data", extra: list[str] = []) -> str:
         mnt = self.path("ck-mnt")
         os.mkdir(mnt)
         r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{self.bucket}/{prefix}", mnt,
-                            "--cache-dir", cache, *self.ckptfs_args], env=self.env, capture_output=True,
-                           text=True)
+                            "--cache-dir", cache, *extra, *self.ckptfs_args], env=self.env,
+                           capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"ckptfs mount failed: {r.stderr}")
         return mnt
@@ -166,6 +167,8 @@ def main() -> int:
                     help="S3 over HTTPS (TLS in user space, as on AWS); the peers are not run")
     ap.add_argument("--work", default="/var/tmp")
     ap.add_argument("--ckptfs-args", default="", help='more options for ckptfs mount, e.g. "--read-memory 64MiB"')
+    ap.add_argument("--passthrough", choices=("both", "on", "off"), default="both",
+                    help="the cold, warm and read-back rows with FUSE passthrough on, off, or both")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -177,6 +180,7 @@ def main() -> int:
     server = write_bench.start_server(work, args.tls)  # drop_caches() waits for it to go idle
     b = ReadBench(work, server)
     b.ckptfs_args = shlex.split(args.ckptfs_args)
+    b.passthrough_modes = ["on", "off"] if args.passthrough == "both" else [args.passthrough]
     size = int(args.gib * GiB)
     mounts: list[str] = []
     try:
@@ -208,27 +212,31 @@ def main() -> int:
                     client_cpu=True)
             b.timed(w, "local disk read", size, lambda: read_all(dl))
             os.unlink(dl)
-            cache = b.path("ck-cache")
-            mnt = b.mount_ckptfs(cache)
-            mounts.append(mnt)
-            cold = "ckptfs cold read (fresh mount, empty cache)"
-            since = b.daemon_cpu(mnt)  # not its start-up (imports, the boto3 client): 0.3-0.4 s
-            b.timed(w, cold, size, lambda: read_all(os.path.join(mnt, "cold.bin")))
-            b.note_daemon(w, cold, mnt, since)
-            b.unmount_ckptfs(mnt)
-            mnt = b.mount_ckptfs(cache)  # same cache dir: warm
-            mounts.append(mnt)
-            warm = "ckptfs warm read (disk cache, after remount)"
-            since = b.daemon_cpu(mnt)
-            b.timed(w, warm, size, lambda: read_all(os.path.join(mnt, "cold.bin")))
-            b.note_daemon(w, warm, mnt, since)
-            shutil.copyfile(src, os.path.join(mnt, "written.bin"))  # close mode: in S3 on return
-            back = "ckptfs read-back of a file written here"
-            since = b.daemon_cpu(mnt)
-            b.timed(w, back, size, lambda: read_all(os.path.join(mnt, "written.bin")))
-            b.note_daemon(w, back, mnt, since)
-            b.unmount_ckptfs(mnt)
-            shutil.rmtree(cache, ignore_errors=True)
+            # Passthrough on (the kernel reads local files itself) and off, alternating first.
+            for passthrough in (b.passthrough_modes if rnd % 2 == 0 else b.passthrough_modes[::-1]):
+                flag = ["--passthrough", passthrough] if passthrough else []
+                off = " (passthrough off)" if passthrough == "off" else ""
+                cache = b.path("ck-cache")
+                mnt = b.mount_ckptfs(cache, extra=flag)
+                mounts.append(mnt)
+                cold = "ckptfs cold read (fresh mount, empty cache)" + off
+                since = b.daemon_cpu(mnt)  # not its start-up (imports, the boto3 client): 0.3-0.4 s
+                b.timed(w, cold, size, lambda: read_all(os.path.join(mnt, "cold.bin")))
+                b.note_daemon(w, cold, mnt, since)
+                b.unmount_ckptfs(mnt)
+                mnt = b.mount_ckptfs(cache, extra=flag)  # same cache dir: warm
+                mounts.append(mnt)
+                warm = "ckptfs warm read (disk cache, after remount)" + off
+                since = b.daemon_cpu(mnt)
+                b.timed(w, warm, size, lambda: read_all(os.path.join(mnt, "cold.bin")))
+                b.note_daemon(w, warm, mnt, since)
+                shutil.copyfile(src, os.path.join(mnt, "written.bin"))  # close mode: in S3 on return
+                back = "ckptfs read-back of a file written here" + off
+                since = b.daemon_cpu(mnt)
+                b.timed(w, back, size, lambda: read_all(os.path.join(mnt, "written.bin")))
+                b.note_daemon(w, back, mnt, since)
+                b.unmount_ckptfs(mnt)
+                shutil.rmtree(cache, ignore_errors=True)
             if not args.skip_peers:
                 s3fs = b.mount_s3fs()  # fresh every round, as ckptfs's: no stat cache carried over
                 mounts.append(s3fs)
@@ -298,6 +306,11 @@ def report(rows: list[Row], cold_cpu: list[float] | None = None) -> str:
           "ckptfs cold read (fresh mount, empty cache)", "target >= 1.0")
     ratio("warm read throughput / local disk", "local disk read",
           "ckptfs warm read (disk cache, after remount)", "target >= 0.8")
+    for off in ("", " (passthrough off)"):  # issue 31: time against a local read
+        ratio(f"warm read time / local disk{off}", "ckptfs warm read (disk cache, after remount)" + off,
+              "local disk read", "target <= 1.15" if not off else "the daemon's path")
+        ratio(f"read-back time / local disk{off}", "ckptfs read-back of a file written here" + off,
+              "local disk read", "target <= 1.15" if not off else "the daemon's path")
     ratio("read-back throughput / local disk", "local disk read",
           "ckptfs read-back of a file written here", "target >= 0.8")
     ratio("torch.load time / (boto3 download + torch.load)", "ckptfs torch.load (fresh mount, empty cache)",
