@@ -449,11 +449,40 @@ class Namespace:
             return await self._list_dir(directory, masked)
 
     async def _list_dir(self, directory: Inode, masked: Callable[[str], bool]) -> list[Inode]:
-        dir_key = self.table.key_of(directory)
-        physical = self.table.physical(dir_key)  # where S3 holds the directory now
-        # An entry the mount made, changed or confirmed after this moment is newer than
-        # anything the listing says (a close-mode close put it in S3 while the LIST was out).
-        asked = time.monotonic()
+        while True:
+            dir_key = self.table.key_of(directory)
+            physical = self.table.physical(dir_key)  # where S3 holds the directory now
+            # An entry the mount made, changed or confirmed after this moment is newer than
+            # anything the listing says (a close-mode close put it in S3 while the LIST was out).
+            asked = time.monotonic()
+            listed = await self._list_s3(directory, dir_key, physical, masked)
+            key = self.table.key_of(directory)
+            if (key, self.table.physical(key)) == (dir_key, physical):
+                break
+            # Renamed while it was listed, or S3 moved its objects meanwhile (an async
+            # directory rename applied): the listing is of a place S3 no longer uses for it.
+        return self._merge_listing(directory, dir_key, asked, masked, *listed)
+
+    def _moving(self, directory: Inode) -> bool:
+        """The directory, or one above it, has changes S3 has not applied (async mode: a
+        directory rename moves its objects in the log's turn). A LIST may then land between
+        the move in S3 and the table learning of it, and say nothing of what moved: what it
+        lacks is not gone from S3."""
+        node = directory
+        while True:
+            if node.pending > 0:
+                return True
+            if node.ino == ROOT_INODE:
+                return False
+            parent = self.table.get(node.parent)
+            if parent is None:
+                return False
+            node = parent
+
+    async def _list_s3(self, directory: Inode, dir_key: str, physical: str,
+                       masked: Callable[[str], bool]) -> tuple[set[str], dict[str, ObjectInfo],
+                                                              dict[str, str], dict[str, ObjectInfo]]:
+        """(directory names, file objects, other tools' markers, HEADed small objects)."""
         dirs: set[str] = set()
         files: dict[str, ObjectInfo] = {}
         markers: dict[str, str] = {}  # directory name -> another tool's marker object for it
@@ -484,6 +513,12 @@ class Namespace:
                 del files[name]
                 dirs.add(name)
                 markers.setdefault(name, info.key)
+        return dirs, files, markers, headed
+
+    def _merge_listing(self, directory: Inode, dir_key: str, asked: float,
+                       masked: Callable[[str], bool], dirs: set[str], files: dict[str, ObjectInfo],
+                       markers: dict[str, str], headed: dict[str, ObjectInfo]) -> list[Inode]:
+        """The listing against the table: new entries made, stale ones refreshed or dropped."""
         entries: list[Inode] = []
         seen: set[str] = set()
         for name in sorted(dirs | set(files)):
@@ -507,10 +542,12 @@ class Namespace:
                     child = self._refresh_file(directory, child, info, with_metadata=name in headed)
             entries.append(child)
             seen.add(name)
+        moving = self._moving(directory)
         for child in self.table.children(directory.ino):
             if child.name in seen:
                 continue
-            if child.is_local or child.validated_at >= asked or masked(self.table.key_of(child)):
+            if (child.is_local or child.validated_at >= asked or moving
+                    or masked(self.table.key_of(child))):
                 entries.append(child)  # or made again, and applied after the listing was taken
             else:
                 self.table.detach(child)  # gone from S3

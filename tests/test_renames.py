@@ -290,6 +290,46 @@ async def test_a_put_renamed_onto_a_file_then_away_leaves_no_object_at_the_first
         nursery.cancel_scope.cancel()
 
 
+async def test_a_listing_taken_while_a_directory_move_lands_keeps_what_moved(
+        tmp_path: Path) -> None:
+    """Async mode: S3 moves a renamed directory's objects in the log's turn, and the table
+    learns of it once the entry is retired. A LIST of the old place that lands in between
+    finds nothing there: the moved files must not be dropped as gone from S3 (found by
+    test_stateful: 'e/c' vanished from the mount after 'mv d1 e')."""
+    from test_lookups import Kernel
+    s3 = MemoryS3()
+    config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
+                    cache_dir=str(tmp_path / "cache"), durability="async", upload_timeout=10,
+                    metadata_ttl=0)
+    async with trio.open_nursery() as nursery:
+        mount = await build_mount(config, s3, nursery)  # type: ignore[arg-type]
+        kernel = Kernel(mount)
+        ctx = __import__("pyfuse3").RequestContext()
+        await mount.fs.mkdir(ROOT_INODE, b"d1", 0o755, ctx)
+        await kernel.write("d1/c", b"moved")
+        await mount.changes.backlog.drain()
+        assert await kernel.listdir("d1") == ["c"]
+        moved, retire = trio.Event(), trio.Event()
+        records = mount.log.records
+        remove_entry = records.remove_entry
+
+        async def slow_retire(name: str) -> None:  # S3 has moved everything; the table not yet
+            moved.set()
+            await retire.wait()
+            await remove_entry(name)
+        records.remove_entry = slow_retire  # type: ignore[method-assign]
+        await kernel.rename("d1", "e")
+        with trio.fail_after(5):
+            await moved.wait()
+        assert _files(s3) == {"e/c": b"moved"}
+        assert await kernel.listdir("e") == ["c"]  # it listed p/d1/, empty by now
+        retire.set()
+        await mount.changes.backlog.drain()
+        assert await kernel.listdir("e") == ["c"]
+        assert await kernel.read("e/c") == b"moved"
+        nursery.cancel_scope.cancel()
+
+
 class FolderS3(MemoryS3):
     """A store with real folders, as SeaweedFS: deleting "dir/" deletes what is under it."""
 
