@@ -39,6 +39,9 @@ def main() -> int:
     trees = {"before": os.path.abspath(args.before), "after": HERE}
     wb._stop_on_sigterm()
     work = tempfile.mkdtemp(prefix="ckptfs-compare-", dir=args.work)
+    # `python -m ckptfs` puts the current directory first on sys.path: from a checkout it
+    # would run that checkout's CLI whatever PYTHONPATH says.
+    os.chdir(work)
     server = wb.start_server(work)
     bench = wb.Bench(work, server)
     bench.passthrough_modes = [None]  # each tree's own default, unless --after-args says
