@@ -19,9 +19,10 @@ RUN bash scripts/install_fuse.sh python3 --wheel-dir /wheels \
 FROM python:3.11-slim-bookworm
 RUN apt-get update && apt-get install -y --no-install-recommends fuse3 \
     && rm -rf /var/lib/apt/lists/*
-COPY --from=build /usr/local/lib/libfuse3.so.4* /usr/local/lib/
+COPY --from=build /usr/local/lib/libfuse3.so* /usr/local/lib/
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index --find-links /wheels ckptfs \
-    && rm -rf /wheels && mkdir -p /mnt/checkpoints
+RUN ldconfig && pip install --no-cache-dir --no-index --find-links /wheels ckptfs \
+    && rm -rf /wheels && mkdir -p /mnt/checkpoints \
+    && python -c 'import pyfuse3, sys; sys.exit(not pyfuse3.PASSTHROUGH_SUPPORTED)'
 ENTRYPOINT ["ckptfs"]
 CMD ["--help"]
