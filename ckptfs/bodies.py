@@ -118,3 +118,15 @@ def crc_of_range(fd: int, start: int, length: int) -> int:
         crc = crc32(buf[:got], crc)
         done += got
     return crc
+
+
+def crcs_of_ranges(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
+    """CRC32 of each (offset, length) range of the file, -1 for one the file no longer
+    holds whole (it never equals a CRC32); call from a worker thread."""
+    out = []
+    for start, length in ranges:
+        try:
+            out.append(crc_of_range(fd, start, length))
+        except S3Error:
+            out.append(-1)
+    return out

@@ -9,7 +9,6 @@ combining 10,000 equal parts costs 10,000 small matrix-vector products.
 from __future__ import annotations
 
 import base64
-import os
 import functools
 
 from isal import isal_zlib
@@ -73,23 +72,3 @@ def crc32(data: bytes | memoryview, crc: int = 0) -> int:
     """zlib.crc32, faster; releases the GIL on large buffers like zlib does."""
     return isal_zlib.crc32(data, crc)
 
-
-_READ_CHUNK = 4 * 1024 * 1024
-
-
-def crcs_of_ranges(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
-    """CRC32 of each (offset, length) range of the file `fd`, read back in chunks (from the
-    page cache, for a file just written); call from a worker thread. One reused buffer."""
-    buf = bytearray(min(_READ_CHUNK, max((n for _, n in ranges), default=0)) or 1)
-    view = memoryview(buf)
-    out = []
-    for offset, length in ranges:
-        crc, done = 0, 0
-        while done < length:
-            n = os.preadv(fd, [view[:min(len(buf), length - done)]], offset + done)
-            if n == 0:
-                break  # the file is shorter now: the CRC cannot match, the part is sent again
-            crc = crc32(view[:n], crc)
-            done += n
-        out.append(crc if done == length else -1)
-    return out

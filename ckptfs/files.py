@@ -275,16 +275,16 @@ class OpenFiles:
     async def _discard_failed_write(self, node: Inode) -> None:
         """Forget the bytes of a file whose write failed: the name shows S3's object again."""
         async with node.upload_lock:
+            if node.etag is None:  # it never existed in S3: the name goes at once, before
+                parent, name = node.parent, node.name  # the wait for parts in flight below
+                self.table.detach(node)
+                pyfuse3.invalidate_entry_async(parent, os.fsencode(name), ignore_enoent=True)
             await self.uploader.abort(node.upload)
             await self.records.forget(node.upload)
             node.dirty = False
             node.write_error = 0
             node.drop_staged()
-            if node.etag is None:
-                parent, name = node.parent, node.name
-                self.table.detach(node)  # it never existed in S3
-                pyfuse3.invalidate_entry_async(parent, os.fsencode(name), ignore_enoent=True)
-            else:
+            if node.etag is not None:
                 node.meta_known = False  # size and mtime come from S3 again
                 node.validated_at = 0.0
                 node.page_etag = None

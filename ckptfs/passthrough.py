@@ -276,6 +276,8 @@ class Passthrough:
         node.mtime_ns = st.st_mtime_ns
         # A part sent earlier may have been written over since: checked before completion.
         node.upload.unseen_writes = True
+        if node.write_error:
+            return True  # never uploaded: nothing more streams (its discard waits for parts)
         if st.st_size > before:  # the parts the file grew over may stream now
             self.bytes_grown += st.st_size - before
             self.uploader.note_write(node.upload, b.path, lambda: self.table.key_of(node),

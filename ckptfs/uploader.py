@@ -23,7 +23,8 @@ from typing import Any
 
 import trio
 
-from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts, crcs_of_ranges
+from ckptfs.bodies import crcs_of_ranges
+from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
 from ckptfs.journal import Journal
 from ckptfs.parts import PartPlan, PartRange

@@ -11,7 +11,8 @@ import pytest
 import trio
 
 from ckptfs.cache import ObjectCache, concatenate
-from ckptfs.checksum import crc32, crcs_of_ranges
+from ckptfs.bodies import crcs_of_ranges
+from ckptfs.checksum import crc32
 from ckptfs.config import Config
 from ckptfs.errors import ConfigError
 from ckptfs.parts import PartPlan
