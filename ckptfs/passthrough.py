@@ -12,9 +12,11 @@ GETATTR and SETATTR. The parts sent while the file was written are checked again
 before the upload completes (uploader.py, `FileUpload.unseen_writes`): a part whose bytes
 changed since (a rewrite, a seek back, an mmap write) is sent again.
 
-The kernel allows one backing file per inode at a time, and no passthrough open beside a
-cached one: an open that cannot have passthrough gets the daemon's path with FOPEN_DIRECT_IO
-(which neither mode excludes) rather than an error.
+The kernel allows one backing file per inode at a time, requires every open of an inode
+with one to name it, and allows no passthrough open beside a cached one. An open whose bytes
+are elsewhere names the inode's backing file with FOPEN_DIRECT_IO (the daemon then serves
+its reads and writes), and one beside a cached open is served by the daemon: never an
+error (`open`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from ckptfs.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "on", "off")
 _CAP_SYS_ADMIN = 21
 _POLL = 0.05  # seconds between looks at a file being written through passthrough
 # The kernel's writes fail with ENOSPC where the daemon cannot see them; below this much free
@@ -246,10 +247,6 @@ class Passthrough:
             except OSError as exc:
                 log.debug("backing_close(%d): %s", b.id, exc)
             os.close(b.fd)
-
-    def backing_path(self, node: Inode) -> str | None:
-        b = self._by_ino.get(node.ino)
-        return b.path if b is not None else None
 
     def busy(self, node: Inode) -> bool:
         """Handles write `node`'s staged file through the kernel."""
