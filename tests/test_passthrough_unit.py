@@ -31,6 +31,23 @@ def _parts_sent(s3: MemoryS3) -> int:
     return sum(1 for op, _ in s3.requests if op == "UploadPart")
 
 
+async def _sent_then_finish(tmp_path: Path, data: bytes, size: int, unseen: bool = True,
+                            change=lambda path: None) -> tuple[MemoryS3, Uploader, object]:
+    """A file grown by `data` behind the daemon's back, its parts sent; then `change(path)`,
+    then the upload finished at `size` bytes. (s3, uploader, result)."""
+    s3 = MemoryS3()
+    path = str(tmp_path / "staged")
+    open(path, "wb").close()
+    async with trio.open_nursery() as nursery:
+        up = Uploader(s3, PartPlan(PART), 4, upload_timeout=5, nursery=nursery)  # type: ignore[arg-type]
+        fu = FileUpload()
+        await _grow(up, fu, path, data)
+        fu.unseen_writes = unseen
+        change(path)
+        result = await up.finish(fu, path, "ck/model.pt", size, {})
+    return s3, up, result
+
+
 async def _grow(up: Uploader, fu: FileUpload, path: str, data: bytes) -> None:
     """What passthrough.refresh does: the file grew (the kernel wrote it); no bytes given."""
     with open(path, "r+b") as f:
@@ -64,29 +81,17 @@ async def test_a_part_changed_behind_the_daemons_back_is_sent_again(tmp_path: Pa
 
 
 async def test_a_file_cut_below_sent_parts_publishes_what_it_holds(tmp_path: Path) -> None:
-    s3 = MemoryS3()
-    path, data = str(tmp_path / "staged"), os.urandom(17 * MiB)
-    open(path, "wb").close()
-    async with trio.open_nursery() as nursery:
-        up = Uploader(s3, PartPlan(PART), 4, upload_timeout=5, nursery=nursery)  # type: ignore[arg-type]
-        fu = FileUpload()
-        await _grow(up, fu, path, data)
-        os.truncate(path, 2 * PART + 3)  # ftruncate by the daemon (SETATTR) cuts part 3
-        await up.finish(fu, path, "ck/model.pt", 2 * PART + 3, {})
+    data = os.urandom(17 * MiB)
+    # ftruncate by the daemon (SETATTR) cuts part 3
+    s3, _, _ = await _sent_then_finish(tmp_path, data, 2 * PART + 3,
+                                       change=lambda path: os.truncate(path, 2 * PART + 3))
     assert s3.objects["ck/model.pt"] == data[:2 * PART + 3]
 
 
 async def test_without_unseen_writes_sent_parts_are_trusted(tmp_path: Path) -> None:
     """The daemon's own write path needs no second read of the file."""
-    s3 = MemoryS3()
-    path, data = str(tmp_path / "staged"), os.urandom(12 * MiB)
-    open(path, "wb").close()
-    async with trio.open_nursery() as nursery:
-        up = Uploader(s3, PartPlan(PART), 4, upload_timeout=5, nursery=nursery)  # type: ignore[arg-type]
-        fu = FileUpload()
-        await _grow(up, fu, path, data)
-        fu.unseen_writes = False
-        await up.finish(fu, path, "ck/model.pt", len(data), {})
+    data = os.urandom(12 * MiB)
+    s3, up, _ = await _sent_then_finish(tmp_path, data, len(data), unseen=False)
     assert up.parts_rechecked == 0 and s3.objects["ck/model.pt"] == data
 
 

@@ -5,6 +5,7 @@ done, never half. The same through real mounts and SIGKILL is in test_crash.py."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -52,6 +53,19 @@ async def _seed(s3: MemoryS3) -> None:
 
 def _files(s3: MemoryS3) -> dict[str, bytes]:
     return {k[2:]: v for k, v in s3.objects.items() if not k.endswith("/")}
+
+
+@contextlib.asynccontextmanager
+async def _async_mount(tmp_path: Path, s3: MemoryS3, **options: Any):
+    """(mount, kernel): an in-process async-mode mount over `s3`, until the block ends."""
+    from test_lookups import Kernel
+    config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
+                    cache_dir=str(tmp_path / "cache"), durability="async", upload_timeout=10,
+                    **options)
+    async with trio.open_nursery() as nursery:
+        mount = await build_mount(config, s3, nursery)  # type: ignore[arg-type]
+        yield mount, Kernel(mount)
+        nursery.cancel_scope.cancel()
 
 
 def _whole(s3: MemoryS3) -> str:
@@ -273,13 +287,8 @@ async def test_a_put_renamed_onto_a_file_then_away_leaves_no_object_at_the_first
     """Async mode: a rename right after close moves the put to the new name (no copy in S3).
     Moved onto a file S3 has (or will have), the put replaces that object; renamed away again,
     S3 must lose that name too (found by test_lookups: the replaced object came back)."""
-    from test_lookups import Kernel
     s3 = MemoryS3()
-    config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
-                    cache_dir=str(tmp_path / "cache"), durability="async", upload_timeout=10)
-    async with trio.open_nursery() as nursery:
-        mount = await build_mount(config, s3, nursery)  # type: ignore[arg-type]
-        kernel = Kernel(mount)
+    async with _async_mount(tmp_path, s3) as (mount, kernel):
         await kernel.write("a", b"first")
         await kernel.write("b", b"second")
         await kernel.rename("b", "a")  # os.replace(tmp, final)
@@ -287,7 +296,6 @@ async def test_a_put_renamed_onto_a_file_then_away_leaves_no_object_at_the_first
         with trio.fail_after(10):
             await mount.changes.backlog.drain()
         assert _files(s3) == {"b": b"second"}
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_listing_taken_while_a_directory_move_lands_keeps_what_moved(
@@ -296,14 +304,8 @@ async def test_a_listing_taken_while_a_directory_move_lands_keeps_what_moved(
     learns of it once the entry is retired. A LIST of the old place that lands in between
     finds nothing there: the moved files must not be dropped as gone from S3 (found by
     test_stateful: 'e/c' vanished from the mount after 'mv d1 e')."""
-    from test_lookups import Kernel
     s3 = MemoryS3()
-    config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
-                    cache_dir=str(tmp_path / "cache"), durability="async", upload_timeout=10,
-                    metadata_ttl=0)
-    async with trio.open_nursery() as nursery:
-        mount = await build_mount(config, s3, nursery)  # type: ignore[arg-type]
-        kernel = Kernel(mount)
+    async with _async_mount(tmp_path, s3, metadata_ttl=0) as (mount, kernel):
         ctx = __import__("pyfuse3").RequestContext()
         await mount.fs.mkdir(ROOT_INODE, b"d1", 0o755, ctx)
         await kernel.write("d1/c", b"moved")
@@ -327,7 +329,6 @@ async def test_a_listing_taken_while_a_directory_move_lands_keeps_what_moved(
         await mount.changes.backlog.drain()
         assert await kernel.listdir("e") == ["c"]
         assert await kernel.read("e/c") == b"moved"
-        nursery.cancel_scope.cancel()
 
 
 class FolderS3(MemoryS3):
