@@ -71,4 +71,3 @@ def b64_crc32(crc: int) -> str:
 def crc32(data: bytes | memoryview, crc: int = 0) -> int:
     """zlib.crc32, faster; releases the GIL on large buffers like zlib does."""
     return isal_zlib.crc32(data, crc)
-
