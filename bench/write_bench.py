@@ -11,9 +11,9 @@ close mode; ckptfs in async mode (close, and until `ckptfs sync` returns); and, 
 server's ingest bound, ckptfs's own UploadPart requests sent from bytes already in memory.
 N concurrent writers (DCP: one file per rank, `--writers` ranks of `--writer-mib` each)
 are a workload of their own: local disk (with and without fsync), boto3 upload_file of
-the N files in parallel, ckptfs close and async, ckptfs async with the S3 server at
-SCHED_IDLE while the files are written (on a small host the server's ingest takes cores from
-the FUSE thread), and a bare pyfuse3 sink (bench/sink.py: only pwrites, writeback cache on), the
+the N files in parallel, ckptfs close and async, ckptfs async with the S3 server stopped
+(SIGSTOP) while the files are written (S3 on another host: on this one the server's ingest
+takes the writers' cores), and a bare pyfuse3 sink (bench/sink.py: only pwrites, writeback cache on), the
 limit of any pyfuse3 write path, alone and while ckptfs's own uploader (bench/uploader.py,
 another process) sends the same bytes from local files: the limit of a write path that
 streams parts while the ranks write, on this host. With `--awscrt DIR` (see
@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,15 +138,6 @@ def warm_free_memory() -> None:
     chunk = 256 * MiB
     held = [b"\x01" * chunk for _ in range(WARM_BYTES // chunk)]
     del held
-
-
-def set_policy(pid: int, policy: int) -> None:
-    """Put every thread of `pid` under the scheduling `policy` (SCHED_IDLE, SCHED_OTHER)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-        except ProcessLookupError:
-            pass  # a thread that ended meanwhile
 
 
 def is_mount(path: str) -> bool:
@@ -419,16 +411,18 @@ class Bench:
         os.unlink(dst)
 
     def ckptfs(self, workload: str, write: Callable[[str], None], size: int,
-               durability: str = "close", idle_server: bool = False,
+               durability: str = "close", stop_server: bool = False,
                passthrough: str | None = None) -> None:
-        """`idle_server`: the S3 server runs under SCHED_IDLE while the files are written (async
-        mode), so on a small host its ingest does not take the cores from the FUSE thread:
-        about ckptfs's own stall. It still answers (a new name's lookup asks S3)."""
+        """`stop_server`: the S3 server is stopped (SIGSTOP) while the files are written (async
+        mode), as if it ran on another host: on this small one its ingest of the parts
+        streamed meanwhile takes the writers' cores. The daemon still does all of its own work
+        (it streams until the sockets' buffers are full). The target's name is looked up
+        first, while the server answers; a watchdog resumes the server after 30 s."""
         mnt = self.path("ckptfs-mnt")
         os.mkdir(mnt)
         cache = self.path("ckptfs-cache")
         # A fresh tree for each kind of row and each round (else the N ranks' directory exists).
-        prefix = f"{'ck-idle' if idle_server else f'ck-{durability}'}-{self._n}"
+        prefix = f"{'ck-stopped' if stop_server else f'ck-{durability}'}-{self._n}"
         key = f"{prefix}/{workload}.bin"
         flag = ["--passthrough", passthrough] if passthrough else []
         r = subprocess.run([sys.executable, "-m", "ckptfs", "mount", f"s3://{self.server.bucket}/{prefix}",
@@ -444,15 +438,22 @@ class Bench:
             cpu0 = self._cpu(pid)
             drop_caches()
             loop0, queued0 = self._cpu(pid, thread=pid), self._runnable_wait(pid)
-            if idle_server:
-                set_policy(self.server.proc.pid, os.SCHED_IDLE)
+            watchdog = None
+            if stop_server:
+                os.path.exists(os.path.join(mnt, f"{workload}.bin"))  # (the lookup asks S3)
+                os.kill(self.server.proc.pid, signal.SIGSTOP)
+                watchdog = threading.Timer(30, os.kill, (self.server.proc.pid, signal.SIGCONT))
+                watchdog.start()
             t = time.monotonic()
             try:
                 write(os.path.join(mnt, f"{workload}.bin"))
             finally:
-                if idle_server:
-                    set_policy(self.server.proc.pid, os.SCHED_OTHER)
+                if watchdog:
+                    watchdog.cancel()
+                    os.kill(self.server.proc.pid, signal.SIGCONT)
             closed = time.monotonic() - t
+            if watchdog and closed >= 30:
+                raise RuntimeError("the writes waited for the stopped S3 server")
             # What the writers waited on: the FUSE thread (trio's, the process's main thread)
             # against the workers and everything else, while the files were written.
             loop, whole = self._cpu(pid, thread=pid) - loop0, self._cpu(pid) - cpu0
@@ -478,8 +479,8 @@ class Bench:
             off = passthrough == "off"
             close_row, async_row = ("m.", "n.") if off else ("f.", "g.")
             path = ", passthrough off" if off else ", passthrough" if passthrough else ""
-            if idle_server:
-                self.rows.append(Row(workload, f"j. ckptfs async mode{path} (close; S3 server SCHED_IDLE)",
+            if stop_server:
+                self.rows.append(Row(workload, f"j. ckptfs async mode{path} (close; S3 server stopped meanwhile)",
                                      closed, size, stall_note))
             elif durability == "close":
                 self.rows.append(Row(workload, f"{close_row} ckptfs close mode{path} (close = in S3)",
@@ -585,6 +586,8 @@ def run_workload(bench: Bench, workload: str, write: Callable[[str], None], skip
         bench.s3fs(workload, write, size)
         bench.rclone(workload, write, size)
     bench.ckptfs_both(workload, write, size)
+    bench.ckptfs(workload, write, size, durability="async", stop_server=True,
+                 passthrough=bench.passthrough_modes[0])
 
 
 def run_writers(bench: Bench, src: str, n: int, only_ckptfs: bool) -> None:
@@ -601,7 +604,7 @@ def run_writers(bench: Bench, src: str, n: int, only_ckptfs: bool) -> None:
     bench.sink(workload, write, size)
     bench.sink(workload, write, size, uploads=[src] * n)
     bench.ckptfs_both(workload, write, size)
-    bench.ckptfs(workload, write, size, durability="async", idle_server=True,
+    bench.ckptfs(workload, write, size, durability="async", stop_server=True,
                  passthrough=bench.passthrough_modes[0])
 
 
@@ -611,6 +614,8 @@ def run_ckptfs_only(bench: Bench, workload: str, write: Callable[[str], None]) -
     bench.rows[-1].size = size
     os.unlink(local)
     bench.ckptfs_both(workload, write, size)
+    bench.ckptfs(workload, write, size, durability="async", stop_server=True,
+                 passthrough=bench.passthrough_modes[0])
 
 
 def report(bench: Bench) -> str:
@@ -663,6 +668,8 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float]]:
     if g and a:  # issue 31: the async stall against the same bytes saved to local disk
         out.append(("ckptfs async close / local disk = {:.2f} (target <= 1.3; 1.5 for N ranks)",
                     g / a))
+    if j and a:  # the same, with S3 elsewhere: the server's ingest no longer takes the cores
+        out.append(("ckptfs async close, S3 server stopped meanwhile / local disk = {:.2f}", j / a))
     if m and b:
         out.append(("passthrough off: ckptfs close / boto3 upload_file = {:.2f}", m / b))
     if n and a:
@@ -675,7 +682,7 @@ def _ratios(rows: list[Row]) -> list[tuple[str, float]]:
     if g and i:  # N writers: the stall against the pyfuse3 floor (the daemon path's limit)
         out.append(("ckptfs async close / bare sink = {:.2f}", g / i))
         if j:
-            out.append(("with the S3 server at SCHED_IDLE meanwhile: {:.2f}", j / i))
+            out.append(("with the S3 server stopped meanwhile: {:.2f}", j / i))
         if k:  # what streaming during the writes costs any pyfuse3 write path on this host
             out.append(("the sink while the same bytes upload / bare sink = {:.2f}", k / i))
             out.append(("ckptfs async close / the sink while the same bytes upload = {:.2f}", g / k))
