@@ -106,7 +106,7 @@ class LocalCopies:
         staged.close()
         if staged.held:
             return  # the log publishes it first, then hands it back
-        inode.staged = None
+        inode.stage(None)
         if inode.etag is None or inode.unlinked:
             staged.remove()
             return

@@ -83,11 +83,7 @@ class DirectChanges(ChangesBase):
                 raise
             finally:
                 self._committing -= 1
-            inode.etag = inode.page_etag = result.etag
-            inode.meta_known = True
-            inode.validated_at = time.monotonic()
-            if inode.clock == clock:
-                inode.dirty = False
+            if inode.uploaded(result.etag, clock):
                 await self.records.forget(inode.upload)
             self.staging.freed()
             log.debug("uploaded %s (%d bytes, %d parts) in %.2fs", key, inode.size, result.parts,
@@ -115,18 +111,18 @@ class DirectChanges(ChangesBase):
         if node.etag is None:
             return
         async with node.upload_lock:
-            node.etag = await self.s3.copy(key, key, node.size, object_metadata(node), etag=node.etag)
-            node.validated_at = time.monotonic()
+            node.stored(await self.s3.copy(key, key, node.size, object_metadata(node), etag=node.etag))
+            node.confirmed()
 
     async def create(self, node: Inode, body: bytes) -> None:
         etag = await self.s3.put(self.table.key_of(node), body, object_metadata(node))
         if not node.is_dir:
-            node.etag = etag
+            node.stored(etag)
 
     async def remove_file(self, node: Inode) -> None:
         if node.etag is not None:
             await self.s3.delete(self.table.key_of(node))
-        node.dirty = False
+        node.saved()
         self.cache.drop_key(self.table.key_of(node))
         self.table.detach(node)
 

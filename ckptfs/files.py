@@ -77,7 +77,7 @@ class OpenFiles:
         self.ns.forget_absent(parent.ino, name)
         node = self.table.add(parent.ino, name, stat.S_IFREG | stat.S_IMODE(mode), uid, gid,
                               mtime_ns=now, ctime_ns=now, atime_ns=now, meta_known=True)
-        node.staged = self._new_staged(node)
+        node.stage(self._new_staged(node))
         node.opened(writable=True)
         node.changed()
         parent.touch()
@@ -94,8 +94,7 @@ class OpenFiles:
             node.released(writable=True)
             raise
         if truncate:
-            node.size = 0
-            node.changed()
+            node.truncated(0)
 
     async def _ensure_staged(self, inode: Inode, truncate: bool) -> None:
         """Give `inode` a staged file holding its whole content (or none, if truncating)."""
@@ -124,7 +123,7 @@ class OpenFiles:
             if inode.staged is not None:  # another open staged it while this one downloaded
                 staged.remove()
                 continue
-            inode.staged = staged
+            inode.stage(staged)
             inode.upload.journal_name = os.path.basename(staged.path)
             inode.upload.crcs.clear()  # they describe bytes written to an earlier staged file
             return
@@ -147,10 +146,9 @@ class OpenFiles:
             if inode.staged is not old:  # changed while copying: start from what it is now
                 new.remove()
                 continue
-            inode.staged = new
             # The write clock goes on: a put appended before the copy compares against it.
-            inode.upload = FileUpload(journal_name=os.path.basename(new.path),
-                                      clock=inode.upload.clock)
+            inode.stage(new, upload=FileUpload(journal_name=os.path.basename(new.path),
+                                               clock=inode.upload.clock))
             if not old.held:  # published while copying: nobody refers to it any more
                 old.remove()
 
@@ -180,14 +178,12 @@ class OpenFiles:
             written = await self._pwrite(node, buf, off)
         except (OSError, NoSpace) as exc:
             # The file now lacks bytes its writer meant it to have: it must never be uploaded.
-            node.write_error = exc.errno or errno.EIO
+            node.write_failed(exc.errno or errno.EIO)
             log.error("write to %s failed, the file will not be uploaded: %s",
                       self.table.path_of(node), exc)
             raise
         self.bytes_written += written
-        if off + written > node.size:
-            node.size = off + written
-        node.changed()
+        node.wrote(off + written)
         if not node.unlinked:  # an unlinked file is never uploaded
             self.uploader.note_write(node.upload, node.staged.path, lambda: self.table.key_of(node),
                                      lambda: object_metadata(node), off, off + written,
@@ -226,8 +222,7 @@ class OpenFiles:
         assert node.staged is not None
         node.staged.truncate(size)
         self.uploader.note_truncate(node.upload, size)
-        node.size = size
-        node.changed()
+        node.truncated(size)
 
     # ----- close ------------------------------------------------------------------
 
@@ -237,11 +232,11 @@ class OpenFiles:
             signal_number = killing_signal(opener)
             if signal_number:
                 # The kernel closes a dying writer's files: that is no close() of its own.
-                node.torn = signal_number
+                node.torn_by(signal_number)
                 if node.writers <= 1:  # no other writer may still finish the file: now,
                     await self._discard_torn(node)  # before the dying process is gone
                 return
-            node.torn = 0
+            node.torn_by(0)
         await self.changes.publish(node)
 
     async def fsync(self, node: Inode) -> None:
@@ -250,7 +245,7 @@ class OpenFiles:
             if node.staged is None:
                 return
             await trio.to_thread.run_sync(os.fsync, node.staged.fd)
-            node.torn = 0
+            node.torn_by(0)
         await self.changes.publish(node, fsynced=True)
 
     async def release(self, node: Inode, writable: bool) -> None:
@@ -281,13 +276,12 @@ class OpenFiles:
                 pyfuse3.invalidate_entry_async(parent, os.fsencode(name), ignore_enoent=True)
             await self.uploader.abort(node.upload)
             await self.records.forget(node.upload)
-            node.dirty = False
-            node.write_error = 0
-            node.drop_staged()
+            staged = node.discarded()
+            node.write_failed(0)
+            if staged is not None and not staged.held:
+                staged.remove()
             if node.etag is not None:
-                node.meta_known = False  # size and mtime come from S3 again
-                node.validated_at = 0.0
-                node.page_etag = None
+                node.expired()  # size and mtime come from S3 again
         self.staging.freed()
 
     async def _discard_torn(self, node: Inode) -> None:
@@ -297,9 +291,8 @@ class OpenFiles:
         async with node.upload_lock:
             await self.uploader.abort(node.upload)
             await self.records.forget(node.upload)
-            node.dirty = False
-            node.torn = 0
-            staged, node.staged = node.staged, None
+            staged = node.discarded()
+            node.torn_by(0)
             kept = "nothing staged"
             if staged is not None and not staged.held:
                 try:
@@ -337,8 +330,7 @@ class OpenFiles:
                               pending=torn.pending)
         previous = self.changes.hand_over(torn, back)
         if previous is not None:
-            back.staged, back.size = previous
-            back.meta_known = True
+            back.stage(*previous)
         elif back.is_local:  # a rename waits in the log: S3 has the object elsewhere
             try:
                 await self.ns.reload(back, self.table.object_key(back))

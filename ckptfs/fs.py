@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import stat
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -199,7 +198,7 @@ class CheckpointFS(pyfuse3.Operations):
         _, _, child = await self._child(parent_inode, name)
         if child is None:
             raise _fail(errno.ENOENT)
-        child.lookups += 1
+        child.looked_up()
         return self._attrs(child)
 
     @_guarded
@@ -236,22 +235,17 @@ class CheckpointFS(pyfuse3.Operations):
                         or fields.update_mtime)
         if meta_changed and self.read_only:
             raise _fail(errno.EROFS)
-        if fields.update_mode:
-            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
-        if fields.update_uid:
-            node.uid = attr.st_uid
-        if fields.update_gid:
-            node.gid = attr.st_gid
-        if fields.update_mtime:
-            node.mtime_ns = attr.st_mtime_ns
-        if fields.update_atime:
-            node.atime_ns = attr.st_atime_ns
-        if fields.update_ctime:
-            node.ctime_ns = attr.st_ctime_ns  # the kernel's own (writeback cache)
-        elif meta_changed or fields.update_atime:
+        node.set_attributes(
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            ctime_ns=attr.st_ctime_ns if fields.update_ctime else None)  # the kernel's own
+        if not fields.update_ctime and (meta_changed or fields.update_atime):
             # Any change of the inode's times is one of its status (`touch -a` of a directory:
             # the kernel sends the ctime of files itself, never of directories).
-            node.ctime_ns = time.time_ns()
+            node.status_changed()
         if meta_changed:
             await self.tree.metadata(node)
         if fields.update_size and node.writers == 0:  # truncate(2) by path: no close() will follow
@@ -272,7 +266,7 @@ class CheckpointFS(pyfuse3.Operations):
         if existing is not None:
             raise _fail(errno.EEXIST)
         node = await self.tree.make_entry(parent, child_name, mode, ctx.uid, ctx.gid, body, rdev)
-        node.lookups += 1
+        node.looked_up()
         return self._attrs(node)
 
     @_guarded
@@ -358,7 +352,7 @@ class CheckpointFS(pyfuse3.Operations):
                 continue
             if not pyfuse3.readdir_reply(token, os.fsencode(child.name), self._attrs(child), index + 1):
                 return
-            child.lookups += 1
+            child.looked_up()
 
     @_guarded
     async def releasedir(self, fh: int) -> None:
@@ -386,7 +380,7 @@ class CheckpointFS(pyfuse3.Operations):
             await self.files.open_for_write(node, truncate=bool(flags & os.O_TRUNC))
         else:
             node = self.files.create(parent, child_name, mode & ~ctx.umask, ctx.uid, ctx.gid)
-        node.lookups += 1
+        node.looked_up()
         handle = Handle(node, writable=True, opener=opener_of(ctx.pid))
         info = self._file_info(handle)
         return info, self._attrs(node)
@@ -424,12 +418,12 @@ class CheckpointFS(pyfuse3.Operations):
             handle.backing_id, handle.direct_io, pages_valid = pt.open(
                 node, path, handle.writable, staged)
         if handle.backing_id:
-            node.page_etag = None  # the kernel's pages of this inode are bypassed
+            node.pages_bypassed()
             return pyfuse3.FileInfo(fh=self._new_fh(handle), backing_id=handle.backing_id,
                                     direct_io=handle.direct_io, keep_cache=False)
         # The kernel's page cache stays valid while the object is the version it cached.
         keep_cache = pages_valid and (node.is_local or node.page_etag == node.etag)
-        node.page_etag = node.etag
+        node.pages_cached()
         return pyfuse3.FileInfo(fh=self._new_fh(handle), keep_cache=keep_cache)
 
     async def _make_room(self, path: str) -> None:

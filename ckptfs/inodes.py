@@ -92,14 +92,16 @@ class Inode:
         own, so a part knows whether it is older than the last write of its range)."""
         return self.upload.clock
 
-    def touch(self) -> None:
-        self.ctime_ns = self.mtime_ns = time.time_ns()
+    # ----- what happens to an inode ------------------------------------------------
+    # The only code that assigns an inode's fields (besides InodeTable's own, below):
+    # other modules say what happened (tests/test_inode_owner.py checks it). Every method
+    # runs on the trio thread, between two awaits: none is ever seen half done.
 
-    def changed(self) -> None:
-        """The staged bytes changed: S3 must get them again."""
-        self.dirty = True
-        self.upload.clock += 1
-        self.touch()
+    # The kernel and POSIX.
+
+    def looked_up(self) -> None:
+        """The kernel got a reference (LOOKUP, CREATE, MKNOD, READDIRPLUS)."""
+        self.lookups += 1
 
     def opened(self, writable: bool) -> None:
         self.open_handles += 1
@@ -108,6 +110,186 @@ class Inode:
     def released(self, writable: bool) -> None:
         self.open_handles -= 1
         self.writers -= writable
+
+    def touch(self) -> None:
+        self.ctime_ns = self.mtime_ns = time.time_ns()
+
+    def status_changed(self) -> None:
+        self.ctime_ns = time.time_ns()
+
+    def set_attributes(self, *, mode: int | None = None, uid: int | None = None,
+                       gid: int | None = None, mtime_ns: int | None = None,
+                       atime_ns: int | None = None, ctime_ns: int | None = None) -> None:
+        """chmod, chown, utimens (SETATTR), or the object's metadata read from S3 (`mode`:
+        the permission bits; the type never changes)."""
+        if mode is not None:
+            self.mode = stat.S_IFMT(self.mode) | stat.S_IMODE(mode)
+        if uid is not None:
+            self.uid = uid
+        if gid is not None:
+            self.gid = gid
+        if mtime_ns is not None:
+            self.mtime_ns = mtime_ns
+        if atime_ns is not None:
+            self.atime_ns = atime_ns
+        if ctime_ns is not None:
+            self.ctime_ns = ctime_ns
+
+    def times_at_least_mtime(self) -> None:
+        """ctime and atime are never older than mtime (an object read from S3)."""
+        self.ctime_ns = max(self.ctime_ns, self.mtime_ns)
+        self.atime_ns = max(self.atime_ns, self.mtime_ns)
+
+    def link_target(self, target: bytes, sized: bool = False) -> None:
+        """A symlink's target, read from S3 or (`sized`: its size is the target's) made here."""
+        self.symlink_target = target
+        if sized:
+            self.size = len(target)
+
+    def marked_by(self, key: str | None) -> None:
+        """The directory's marker of another tool's kind (None: its own "dir/", or none)."""
+        self.marker_key = key
+
+    # What S3 holds.
+
+    def confirmed(self, at: float | None = None) -> None:
+        """S3 (or the log about to apply it) agrees with this inode, as of `at`
+        (time.monotonic(); by default now)."""
+        self.validated_at = time.monotonic() if at is None else at
+
+    def expired(self) -> None:
+        """Size, times and metadata come from S3 again at the next look."""
+        self.meta_known = False
+        self.validated_at = 0.0
+        self.page_etag = None
+
+    def listed(self, size: int, etag: str) -> None:
+        """S3 has an object of `size` with `etag` (a HEAD or a LIST entry)."""
+        if etag != self.etag:
+            self.drop_staged()  # the local copy is of an older version
+            self.meta_known = False
+        self.size = size
+        self.etag = etag
+        self.confirmed()
+
+    def described(self) -> None:
+        """Mode, owner and times came from the object's own metadata (a HEAD)."""
+        self.meta_known = True
+
+    def stored(self, etag: str | None) -> None:
+        """S3 holds the object (or, None, no object) with `etag`."""
+        self.etag = etag
+
+    def moved(self, etag: str) -> None:
+        """S3 copied the object to a new one of the same bytes (a rename, new metadata):
+        the kernel's pages of the old one still hold them."""
+        if self.page_etag == self.etag:
+            self.page_etag = etag
+        self.etag = etag
+
+    def uploaded(self, etag: str, clock: int) -> bool:
+        """The staged bytes as they were at `clock` are the object `etag` now. True if no
+        write came since (the inode is clean)."""
+        self.etag = self.page_etag = etag
+        self.meta_known = True
+        self.confirmed()
+        return self.saved(clock)
+
+    def published(self, etag: str | None) -> None:
+        """The log put the staged file this inode still has (the kernel's pages came from
+        these very bytes)."""
+        self.page_etag = etag
+        self.meta_known = True
+
+    def pages_bypassed(self) -> None:
+        """An open through passthrough: the kernel's own pages of the inode go stale."""
+        self.page_etag = None
+
+    def pages_cached(self) -> None:
+        """An open through the page cache: the kernel's pages are of the current object."""
+        self.page_etag = self.etag
+
+    def reads_from(self, key: str | None) -> None:
+        """Until a rename in the log is applied, S3 holds the object under `key`."""
+        self.read_key = key
+
+    # The ordered log (async mode).
+
+    def logged(self) -> None:
+        """An entry about this inode joined the log."""
+        self.pending += 1
+
+    def applied(self) -> None:
+        """S3 applied an entry of the log about this inode."""
+        self.pending -= 1
+
+    def handed_over(self) -> None:
+        """Its entries of the log now belong to the inode that replaced it."""
+        self.pending = 0
+
+    # Writes.
+
+    def changed(self) -> None:
+        """The staged bytes changed: S3 must get them again."""
+        self.dirty = True
+        self.upload.clock += 1
+        self.touch()
+
+    def wrote(self, end: int) -> None:
+        """Bytes were written up to offset `end`."""
+        if end > self.size:
+            self.size = end
+        self.changed()
+
+    def truncated(self, size: int) -> None:
+        self.size = size
+        self.changed()
+
+    def written_behind(self, size: int, mtime_ns: int) -> None:
+        """The kernel wrote the staged file itself (passthrough): what its stat says."""
+        self.size = size
+        self.changed()
+        self.mtime_ns = mtime_ns
+
+    def saved(self, clock: int | None = None) -> bool:
+        """The staged bytes (as of `clock`; None: whatever they are) reached S3 or the log:
+        the inode is clean, unless written since `clock` (then False)."""
+        if clock is not None and clock != self.clock:
+            return False
+        self.dirty = False
+        return True
+
+    def write_failed(self, errno_: int) -> None:
+        """A write failed: the file lacks bytes its writer meant it to have and must never
+        be uploaded (0: its bytes were let go)."""
+        self.write_error = errno_
+
+    def torn_by(self, signal_number: int) -> None:
+        """The kernel closed the file for a writer killed by `signal_number` (0: a close of
+        the writer's own, or the torn bytes were let go)."""
+        self.torn = signal_number
+
+    def discarded(self) -> StagedFile | None:
+        """The unpublished bytes are let go (a failed write, a killed writer): the inode is
+        clean and its staged file, returned, is the caller's."""
+        self.dirty = False
+        staged, self.staged = self.staged, None
+        return staged
+
+    def stage(self, staged: StagedFile | None, size: int | None = None,
+              upload: FileUpload | None = None) -> None:
+        """The inode's bytes are in `staged` now (of `size`; with the streamed parts of
+        `upload`, if a new one)."""
+        self.staged = staged
+        if size is not None:
+            self.size = size
+            self.meta_known = True
+        if upload is not None:
+            self.upload = upload
+
+    def next_upload(self, upload: FileUpload) -> None:
+        """The inode's next bytes stream to an upload of their own (a put took the last)."""
+        self.upload = upload
 
     def drop_staged(self) -> None:
         """Let go of the staged file: it is removed, unless the ordered log still holds it

@@ -13,7 +13,6 @@ import base64
 import dataclasses
 import json
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,12 +69,11 @@ class LoggedChanges(ChangesBase):
             def effect() -> None:
                 nonlocal appended
                 appended = True
-                node.pending += 1
-                if node.clock == clock:
-                    node.dirty = False
+                node.logged()
+                node.saved(clock)
                 if node.upload is up:  # (a write meanwhile moved to a copy, with its own upload)
                     # The inode's next bytes (a copy, files.py) get an upload of their own.
-                    node.upload = FileUpload(clock=up.clock)
+                    node.next_upload(FileUpload(clock=up.clock))
 
             # Held from here, not from the append: a write that comes while the record is
             # journaled goes to a copy (files._unshare), so the put publishes the file as it
@@ -102,7 +100,7 @@ class LoggedChanges(ChangesBase):
     def _entry_done(self, entry: Entry, etag: str | None) -> None:
         """S3 has applied a log entry about this inode (its `owner`)."""
         node: Inode = entry.owner
-        node.pending -= 1
+        node.applied()
         rec = entry.rec
         renamed_since = node.unlinked or rec.key != self.table.key_of(node)
         if rec.op == "put":
@@ -110,26 +108,21 @@ class LoggedChanges(ChangesBase):
             assert staged is not None
             staged.held = False
             if etag and not renamed_since:
-                node.etag = etag
+                node.stored(etag)
             if node.staged is staged and not node.unlinked:
-                node.page_etag = etag  # the kernel's pages came from these very bytes
-                node.meta_known = True
+                node.published(etag)
                 self.local.keep_if_idle(node)
             elif node.staged is not staged:
                 staged.remove()  # an older version, or the file is gone
             self.staging.freed()
         elif rec.op == "copy":
             later = [e.rec.src for e in self.log.entries_of(node) if e.rec.op == "copy"]
-            node.read_key = later[0] if later else None
+            node.reads_from(later[0] if later else None)
             if etag and not node.unlinked:
-                if node.page_etag == node.etag:
-                    node.page_etag = etag
-                node.etag = etag
+                node.moved(etag)
         elif etag and not node.is_dir and not renamed_since:
-            if node.page_etag == node.etag:
-                node.page_etag = etag
-            node.etag = etag
-        node.validated_at = time.monotonic()
+            node.moved(etag)
+        node.confirmed()
 
     def could_free_space(self) -> bool:
         return self.log.pending_bytes() > 0
@@ -138,7 +131,7 @@ class LoggedChanges(ChangesBase):
         previous = self.log.latest_put(torn)
         for entry in self.log.entries_of(torn):
             entry.owner = back
-        torn.pending = 0
+        torn.handed_over()
         if previous is not None and previous.staged is not None:
             return previous.staged, previous.rec.size  # still held: published in its turn
         return None
@@ -152,7 +145,7 @@ class LoggedChanges(ChangesBase):
             rec = dataclasses.replace(rec, body=base64.b64encode(body).decode())
 
         def counted() -> None:
-            node.pending += 1
+            node.logged()
             if effect is not None:
                 effect()
 
@@ -185,7 +178,7 @@ class LoggedChanges(ChangesBase):
         key = self.table.key_of(node)
 
         def effect() -> None:
-            node.dirty = False
+            node.saved()
             self.cache.drop_key(self.table.object_key(node))
             self.table.detach(node)
 
@@ -222,7 +215,7 @@ class LoggedChanges(ChangesBase):
         if src.has_object:
             def effect() -> None:
                 if src.read_key is None:
-                    src.read_key = old_key  # reads find the object there until the copy
+                    src.reads_from(old_key)  # reads find the object there until the copy
                 move()
             await self._append(src, Record("", new_key, True, op="copy", src=old_key),
                                effect=effect)
@@ -252,13 +245,13 @@ class LoggedChanges(ChangesBase):
         token: list[object] = []
 
         def effect() -> None:
-            src.pending += 1
-            src.marker_key = None  # moved (or deleted) with the rest; a "dir/" marker is made
+            src.logged()
+            src.marked_by(None)  # moved (or deleted) with the rest; a "dir/" marker is made
             token.append(self.table.redirect(new_prefix, old_prefix))
             move()
 
         def done(entry: Entry, etags: Any) -> None:
-            src.pending -= 1
+            src.applied()
             self.table.unredirect(token[0])
             if isinstance(etags, dict):
                 self._moved(src, "", entry.rec.src or "", entry.rec.key, etags)
@@ -275,15 +268,13 @@ class LoggedChanges(ChangesBase):
             path = rel + child.name
             if child.is_dir:
                 if child.marker_key is not None and child.marker_key.startswith(old_prefix):
-                    child.marker_key = new_prefix + child.marker_key[len(old_prefix):]
+                    child.marked_by(new_prefix + child.marker_key[len(old_prefix):])
                 self._moved(child, path + "/", old_prefix, new_prefix, etags)
             elif path in etags and not child.unlinked:
                 old, new = child.etag, etags[path]
                 if old is not None:
                     self.cache.rekey(old_prefix + path, old, new_prefix + path, new)
-                if child.page_etag == old:
-                    child.page_etag = new
-                child.etag = new
+                child.moved(new)
 
     def stats(self) -> dict[str, Any]:
         return {"log_entries": len(self.log)}

@@ -161,13 +161,8 @@ class Namespace:
 
     def apply_object(self, inode: Inode, info: ObjectInfo, with_metadata: bool) -> None:
         """Refresh a clean inode from an S3 object (HEAD with metadata, or a LIST entry)."""
-        if info.etag != inode.etag:
-            inode.drop_staged()  # the local copy is of an older version
-            inode.meta_known = False
+        inode.listed(info.size, info.etag)
         mtime_default = int(info.last_modified * 10**9)
-        inode.size = info.size
-        inode.etag = info.etag
-        inode.validated_at = time.monotonic()
         if with_metadata:
             md = info.metadata
             kind = stat.S_IFMT(inode.mode)
@@ -175,17 +170,16 @@ class Namespace:
                 mode = int(md["mode"]) if "mode" in md else None
             except ValueError:
                 mode = None
-            if mode is not None and stat.S_IFMT(mode) in (0, kind):
-                inode.mode = kind | stat.S_IMODE(mode)
-            inode.uid = _int(md.get("uid"), self.uid)
-            inode.gid = _int(md.get("gid"), self.gid)
-            inode.mtime_ns = parse_stamp(md.get("mtime"), mtime_default)
-            inode.ctime_ns = parse_stamp(md.get("ctime"), inode.ctime_ns)
-            inode.meta_known = True
+            if mode is not None and stat.S_IFMT(mode) not in (0, kind):
+                mode = None
+            inode.set_attributes(mode=mode, uid=_int(md.get("uid"), self.uid),
+                                 gid=_int(md.get("gid"), self.gid),
+                                 mtime_ns=parse_stamp(md.get("mtime"), mtime_default),
+                                 ctime_ns=parse_stamp(md.get("ctime"), inode.ctime_ns))
+            inode.described()
         elif not inode.meta_known:
-            inode.mtime_ns = mtime_default
-        inode.ctime_ns = max(inode.ctime_ns, inode.mtime_ns)
-        inode.atime_ns = max(inode.atime_ns, inode.mtime_ns)
+            inode.set_attributes(mtime_ns=mtime_default)
+        inode.times_at_least_mtime()
 
     async def reload(self, inode: Inode, key: str | None = None) -> None:
         """HEAD the file's object (at `key`; by default its own name) and take its attributes,
@@ -199,8 +193,8 @@ class Namespace:
 
     async def symlink_target(self, inode: Inode) -> bytes:
         if inode.symlink_target is None:
-            inode.symlink_target = await self.s3.get_range(self.table.object_key(inode), 0,
-                                                           inode.size)
+            inode.link_target(await self.s3.get_range(self.table.object_key(inode), 0,
+                                                       inode.size))
         return inode.symlink_target
 
     def _new_file(self, parent: Inode, name: str, info: ObjectInfo, with_metadata: bool) -> Inode:
@@ -216,7 +210,7 @@ class Namespace:
         now = time.time_ns()
         inode = self.table.add(parent.ino, name, stat.S_IFDIR | 0o755, self.uid, self.gid,
                                mtime_ns=now, ctime_ns=now, atime_ns=now)
-        inode.validated_at = time.monotonic()
+        inode.confirmed()
         return inode
 
     async def lookup(self, parent: Inode, name: str) -> Inode | None:
@@ -283,13 +277,13 @@ class Namespace:
         page = listing[0]
         if (page.objects or page.prefixes) and not masked(key + "/"):
             if child is not None and child.is_dir:
-                child.validated_at = time.monotonic()
+                child.confirmed()
                 return child
             inode = self._new_dir(parent, name)
             if page.objects and page.objects[0].key == physical + "/":
                 await self._load_dir_meta(inode, physical + "/")
             elif head[0] is not None and is_directory_object(head[0]) and not masked(key):
-                inode.marker_key = physical  # another tool's marker of a directory with children
+                inode.marked_by(physical)  # another tool's marker of a directory with children
                 self._apply_dir_meta(inode, head[0].metadata)
             return inode
         info = head[0]
@@ -297,10 +291,10 @@ class Namespace:
             info = None
         if info is not None and is_directory_object(info):
             if child is not None and child.is_dir:
-                child.validated_at = time.monotonic()
+                child.confirmed()
                 return child
             inode = self._new_dir(parent, name)
-            inode.marker_key = physical
+            inode.marked_by(physical)
             self._apply_dir_meta(inode, info.metadata)
             return inode
         if info is None:
@@ -324,7 +318,7 @@ class Namespace:
         is open keeps its version until closed: its readers must never get bytes of two
         versions (once the old one is gone from S3, their reads fail instead)."""
         if info.etag != child.etag and child.open_handles > 0:
-            child.validated_at = time.monotonic()
+            child.confirmed()
             return child
         if (child.etag is not None and info.etag != child.etag and child.open_handles == 0
                 and child.staged is None and child.lookups > 0):
@@ -379,7 +373,7 @@ class Namespace:
             if known is None or known.is_local or other == name or known.is_dir != (info is None):
                 continue
             if info is None:
-                known.validated_at = now
+                known.confirmed(now)
             elif info.etag == known.etag:  # changed ones get a new inode on their own lookup
                 self.apply_object(known, info, with_metadata=False)
         child = self.table.child(parent.ino, name)
@@ -390,7 +384,7 @@ class Namespace:
             if child.is_dir != (info is None):
                 return False, None  # changed kind: the full lookup sorts it out
             if info is None:
-                child.validated_at = now
+                child.confirmed(now)
                 return True, child
             if info.etag != child.etag and (child.is_special or child.is_symlink
                                             or info.size <= SYMLINK_MAX):
@@ -412,11 +406,10 @@ class Namespace:
         self._apply_dir_meta(inode, info.metadata)
 
     def _apply_dir_meta(self, inode: Inode, md: dict[str, str]) -> None:
-        inode.mode = stat.S_IFDIR | stat.S_IMODE(_int(md.get("mode"), 0o755))
-        inode.uid = _int(md.get("uid"), self.uid)
-        inode.gid = _int(md.get("gid"), self.gid)
-        inode.mtime_ns = parse_stamp(md.get("mtime"), inode.mtime_ns)
-        inode.meta_known = True
+        inode.set_attributes(mode=_int(md.get("mode"), 0o755), uid=_int(md.get("uid"), self.uid),
+                             gid=_int(md.get("gid"), self.gid),
+                             mtime_ns=parse_stamp(md.get("mtime"), inode.mtime_ns))
+        inode.described()
 
     async def _head_small(self, dir_key: str, directory: Inode,
                           files: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
@@ -530,10 +523,10 @@ class Namespace:
             elif name in dirs:
                 if child is None or not child.is_dir:
                     child = self._new_dir(directory, name)
-                    child.marker_key = markers.get(name)
+                    child.marked_by(markers.get(name))
                     if name in headed:
                         self._apply_dir_meta(child, headed[name].metadata)
-                child.validated_at = time.monotonic()
+                child.confirmed()
             else:
                 info = headed.get(name, files[name])
                 if child is None or child.is_dir or (name in headed and _kind_changed(child, info)):

@@ -99,7 +99,7 @@ class Backing:
     fd: int  # the daemon's own descriptor of the file, for fstat
     path: str
     users: int = 0
-    writers: int = 0
+    writing: int = 0  # of those, the handles that write
     seen: tuple[int, int, int] = (0, 0, 0)  # size, mtime, ctime when last looked at
     full: bool = False  # the cache disk was full while the kernel wrote the file
 
@@ -194,9 +194,9 @@ class Passthrough:
             return 0, False, not stale
         b.users += 1
         if writable:
-            b.writers += 1
+            b.writing += 1
             self._unseen_pages.add(node.ino)
-            if b.writers == 1:
+            if b.writing == 1:
                 self._nursery.start_soon(self._watch, node, b)
         self.opens += 1
         return b.id, False, False
@@ -239,7 +239,7 @@ class Passthrough:
             return
         self.refresh(node)
         b.users -= 1
-        b.writers -= writer
+        b.writing -= writer
         if b.users == 0:
             del self._by_ino[node.ino]
             try:
@@ -251,14 +251,14 @@ class Passthrough:
     def busy(self, node: Inode) -> bool:
         """Handles write `node`'s staged file through the kernel."""
         b = self._by_ino.get(node.ino)
-        return b is not None and b.writers > 0
+        return b is not None and b.writing > 0
 
     # ----- what the kernel wrote ------------------------------------------------
 
     def refresh(self, node: Inode) -> bool:
         """Learn from the backing file what passthrough writes changed; True if anything did."""
         b = self._by_ino.get(node.ino)
-        if b is None or b.writers == 0:
+        if b is None or b.writing == 0:
             return False
         st = os.fstat(b.fd)
         stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
@@ -268,9 +268,7 @@ class Passthrough:
         if node.staged is None or node.staged.path != b.path or node.unlinked:
             return False
         before = node.size
-        node.size = st.st_size
-        node.changed()
-        node.mtime_ns = st.st_mtime_ns
+        node.written_behind(st.st_size, st.st_mtime_ns)
         # A part sent earlier may have been written over since: checked before completion.
         node.upload.unseen_writes = True
         if node.write_error:
@@ -284,7 +282,7 @@ class Passthrough:
     async def _watch(self, node: Inode, b: Backing) -> None:
         """While handles write the file: look at it every `poll` seconds, so its parts
         stream to S3 as it grows, and at the cache disk's free space."""
-        while b.writers > 0 and self._by_ino.get(node.ino) is b:
+        while b.writing > 0 and self._by_ino.get(node.ino) is b:
             await trio.sleep(self.poll)
             try:
                 self.refresh(node)
@@ -300,7 +298,7 @@ class Passthrough:
         free = free_bytes(self.staging_dir)
         if free < FULL:
             for b in self._by_ino.values():
-                if b.writers > 0:
+                if b.writing > 0:
                     b.full = True
         if free < self.headroom and self.files.cache.make_room(self.headroom):
             self.files.staging.freed()
@@ -325,10 +323,10 @@ class Passthrough:
         """At FLUSH and FSYNC: a file the kernel wrote while the cache disk was full is never
         published; the close gets ENOSPC, as the write may have."""
         b = self._by_ino.get(node.ino)
-        if b is None or b.writers == 0:
+        if b is None or b.writing == 0:
             return
         self._look_at_space()
         if b.full and not node.write_error:
-            node.write_error = errno.ENOSPC
+            node.write_failed(errno.ENOSPC)
             log.error("%s: the cache disk was full while it was written; not uploaded",
                       self.table.path_of(node))

@@ -210,7 +210,7 @@ async def rename_in_s3(renames: Renames, table: InodeTable, cache: ObjectCache,
                 k for k in (table.key_of(dst), dst.marker_key) if k is not None)
             etags = await renames.move_dir(table.key_of(src), new_key + "/", object_metadata(src),
                                            also, replaced)
-            src.marker_key = None  # it has a "dir/" marker of its own now
+            src.marked_by(None)  # it has a "dir/" marker of its own now
             _refresh_etags(table, src, "", etags)
         else:
             await _rename_object(renames, table, cache, src, new_key, dst)
@@ -273,10 +273,9 @@ async def _rename_object(renames: Renames, table: InodeTable, cache: ObjectCache
     old_key = table.key_of(src)
     if src.etag is not None:
         old_etag = src.etag
-        src.etag = await renames.move_object(old_key, new_key, src.size, old_etag)
+        src.moved(await renames.move_object(old_key, new_key, src.size, old_etag))
         if not src.is_local:
             cache.rekey(old_key, old_etag, new_key, src.etag)
-        src.page_etag = src.etag if src.page_etag == old_etag else src.page_etag
     elif dst is not None and dst.etag is not None:
         # The new name must not keep showing the replaced object until src's upload.
         await renames.s3.delete(new_key)
@@ -288,4 +287,4 @@ def _refresh_etags(table: InodeTable, directory: Inode, rel: str, etags: dict[st
         if child.is_dir:
             _refresh_etags(table, child, path + "/", etags)
         elif path in etags and child.etag is not None:
-            child.etag = etags[path]
+            child.stored(etags[path])

@@ -38,13 +38,13 @@ class Tree:
         node = self.table.add(parent.ino, name, mode, uid, gid, mtime_ns=now, ctime_ns=now,
                               atime_ns=now, meta_known=True, rdev=rdev)
         if node.is_symlink:
-            node.symlink_target, node.size = body, len(body)
+            node.link_target(body, sized=True)
         try:
             await self.changes.create(node, body)
         except BaseException:
             self.table.detach(node)
             raise
-        node.validated_at = time.monotonic()
+        node.confirmed()
         if node.is_dir:
             self.ns.made_dir(node)
         parent.touch()
@@ -101,13 +101,13 @@ class Tree:
         def move() -> None:
             """The mount's side of a rename: `src` takes the name, a replaced `dst` is gone."""
             if dst is not None:
-                dst.dirty = False
+                dst.saved()
                 self.table.detach(dst)
                 if dst.open_handles == 0:
                     dst.drop_staged()
             self.table.move(src, new_parent.ino, new_name)
             self.ns.forget_absent(new_parent.ino, new_name)
-            src.ctime_ns = time.time_ns()
+            src.status_changed()
             old_parent.touch()
             new_parent.touch()
 
