@@ -138,24 +138,37 @@ class MemoryS3:
                         max_keys: int = 1000, start_after: str | None = None
                         ) -> tuple[ListPage, str | None]:
         def effect() -> tuple[ListPage, str | None]:
-            objects, prefixes = [], set()
+            # As S3: keys and common prefixes in one sorted run after `start_after` (or the
+            # token: the last one the page before returned), at most `max_keys` of them.
+            after = token or start_after or ""
+            entries: dict[str, ObjectInfo | None] = {}  # a common prefix: None
             for key in sorted(self.objects):
-                if not key.startswith(prefix):
+                if not key.startswith(prefix) or key <= after:
                     continue
                 rest = key[len(prefix):]
                 if delimiter and delimiter in rest:
-                    prefixes.add(prefix + rest.split(delimiter)[0] + delimiter)
+                    common = prefix + rest.split(delimiter)[0] + delimiter
+                    if common > after or token is None:  # (a token: the prefix was returned)
+                        entries.setdefault(common, None)
                 else:
-                    objects.append(ObjectInfo(key, len(self.objects[key]), self.etags[key], 0.0))
-            return ListPage(sorted(prefixes), objects), None
+                    entries[key] = ObjectInfo(key, len(self.objects[key]), self.etags[key], 0.0)
+            names = sorted(entries)
+            page, more = names[:max_keys], len(names) > max_keys
+            return (ListPage([n for n in page if entries[n] is None],
+                             [info for n in page if (info := entries[n]) is not None]),
+                    page[-1] if more else None)
         return await self._request("LIST", prefix, None, effect)
 
     async def list_pages(self, prefix: str, delimiter: str = "/") -> AsyncIterator[ListPage]:
-        page, _ = await self.list_page(prefix, None, delimiter)
-        yield page
+        token: str | None = None
+        while True:
+            page, token = await self.list_page(prefix, token, delimiter)
+            yield page
+            if token is None:
+                return
 
     async def list_keys(self, prefix: str) -> list[ObjectInfo]:
-        return (await self.list_page(prefix, None, ""))[0].objects
+        return [o async for page in self.list_pages(prefix, "") for o in page.objects]
 
     async def has_children(self, prefix: str) -> bool:
         return any(k != prefix for k in self.objects if k.startswith(prefix))
@@ -230,10 +243,14 @@ class MemoryS3:
                           size: int, deadline: float | None = None,
                           crc: int | None = None, reread: bool = False) -> tuple[str, int]:
         self.part_crcs.append((number, crc))
+        known = [] if crc is None else [crc]
+
         def effect() -> tuple[str, int]:
             self.part_gate.wait(10)
             data = os.pread(fd, size, start)
-            if crc is not None and crc != crc32(data):  # as S3 refuses a wrong x-amz-checksum-crc32
+            # As S3 refuses a wrong x-amz-checksum-crc32; as s3.S3Client, a retry sends the
+            # CRC32 of the file's own bytes.
+            if known and known.pop() != crc32(data):
                 raise S3Error(f"UploadPart {number} of {key}: BadDigest", "BadDigest", 400)
             if upload_id not in self.uploads:
                 raise NoSuchKey(f"NoSuchUpload {upload_id}")
