@@ -336,7 +336,8 @@ async def _report_passthrough(mount: Mount, mode: str) -> None:
         return
     if pt.enabled:
         log.info("passthrough on: %s", pt.reason)
-        mount.reader.assemble = True  # whole cached objects: later opens pass through
+        if mount.reader.whole is not None:  # whole cached objects: later opens pass through
+            mount.reader.whole.enabled = True
     elif mode == "on":
         log.error("--passthrough on: %s; unmounting", pt.reason)
         pyfuse3.terminate()

@@ -32,7 +32,8 @@ from ckptfs.inodes import Inode, InodeTable
 from ckptfs.metadata import object_metadata
 from ckptfs.namespace import Namespace
 from ckptfs.opener import Opener, killing_signal
-from ckptfs.prefetch import ChunkReader, ReadStream
+from ckptfs.handles import ReadStream
+from ckptfs.prefetch import ChunkReader
 from ckptfs.s3types import S3
 from ckptfs.staging import StagedFile, StagingArea, copy_file
 from ckptfs.uploader import Uploader

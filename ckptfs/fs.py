@@ -2,87 +2,35 @@
 
 Nothing here talks to S3 or keeps state of its own beyond the handles: open files go to
 files.py, namespace mutations to tree.py, lookups and listings to namespace.py. Every
-handler runs under `_guarded`, so an unexpected exception becomes EIO (and a log line)
-instead of taking the whole mount down.
+handler runs under `guarded` (handles.py), so an unexpected exception becomes EIO (and a
+log line) instead of taking the whole mount down.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
-import functools
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import pyfuse3
 import trio
 
-from ckptfs.errors import CkptfsError, NoSuchKey, Refused, raise_first_error
+from ckptfs.errors import NoSuchKey
 from ckptfs.files import OpenFiles
+from ckptfs.handles import DirHandle, Handle
+from ckptfs.handles import fail as _fail
+from ckptfs.handles import guarded as _guarded
 from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
-from ckptfs.namespace import KEY_MAX, NAME_MAX, Namespace, is_reserved
-from ckptfs.opener import Opener, opener_of
+from ckptfs.listing import NAME_MAX
+from ckptfs.namespace import KEY_MAX, Namespace, is_reserved
+from ckptfs.opener import opener_of
 from ckptfs.passthrough import Passthrough
-from ckptfs.prefetch import ReadStream
 from ckptfs.tree import Tree
 
 log = logging.getLogger(__name__)
-
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-
-
-def _guarded(fn: F) -> F:
-    op = fn.__name__
-
-    @functools.wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        args[0].requests[op] += 1
-        try:
-            with raise_first_error():  # a nursery's group: report its first failure
-                return await fn(*args, **kwargs)
-        except pyfuse3.FUSEError:
-            raise
-        except Refused as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except CkptfsError as exc:
-            log.warning("%s: %s", fn.__name__, exc)
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except OSError as exc:
-            log.warning("%s: %s", fn.__name__, exc)
-            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
-        except Exception:
-            log.exception("unexpected error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-    return wrapper  # type: ignore[return-value]
-
-
-def _fail(code: int) -> pyfuse3.FUSEError:
-    return pyfuse3.FUSEError(code)
-
-
-@dataclass(eq=False)
-class Handle:
-    inode: Inode
-    writable: bool
-    stream: ReadStream = field(default_factory=ReadStream)
-    opener: Opener | None = None  # who opened it for writing (FLUSH does not say who closes)
-    backing_id: int = 0  # the inode's backing file, named by this handle (passthrough.py)
-    direct_io: bool = False  # ... but the daemon serves the handle's reads and writes
-
-    @property
-    def kernel_writes(self) -> bool:
-        """The kernel writes the backing file itself for this handle."""
-        return self.writable and bool(self.backing_id) and not self.direct_io
-
-
-@dataclass(eq=False)
-class DirHandle:
-    inode: Inode
-    entries: list[Inode] | None = None
 
 
 class CheckpointFS(pyfuse3.Operations):

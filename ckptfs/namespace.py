@@ -21,53 +21,20 @@ from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, SPECIAL_TYPES, Inode, InodeTable
 from ckptfs.masks import Masks, no_masks
 from ckptfs.metadata import parse_stamp
-from ckptfs.s3types import MARKED_MAX, S3, ListPage, ObjectInfo, is_marked
+from ckptfs.listing import (SYMLINK_MAX, Listing, is_directory_object, page_entries, read_listing,
+                            sort_key)
+from ckptfs.s3types import S3, ListPage, ObjectInfo
 
 log = logging.getLogger(__name__)
 
-NAME_MAX = 255
 # The one name of the prefix's top that is ckptfs's own: rename intents live under it
 # (renames.py). Listings never show it, lookups never find it, the mount never makes it.
 RESERVED_NAME = ".ckptfs"
 KEY_MAX = 1024
-# A listing HEADs the objects it has not seen with metadata whose type may differ from a plain
-# file's, which only their metadata tells: every small marked one (s3types: ckptfs writes
-# symlinks and special files as one-part multipart uploads, so their LIST entries show it),
-# and, for symlinks and special files an older ckptfs wrote unmarked, every small unmarked
-# one while a directory has at most SMALL_HEADS of them. A directory of thousands of tiny
-# files is listed with its LIST pages alone; only an unmarked symlink there shows as a file
-# until looked up.
-SYMLINK_MAX = MARKED_MAX
-SMALL_HEADS = 64
 
 
 def is_reserved(parent: Inode, name: str) -> bool:
     return parent.ino == ROOT_INODE and name == RESERVED_NAME
-
-
-def valid_name(name: str) -> bool:
-    return name not in ("", ".", "..") and "/" not in name and len(name.encode(
-        "utf-8", "surrogateescape")) <= NAME_MAX
-
-
-# Directories other tools mark with an object of their own, not a "dir/" key: s3fs (and
-# others) with a zero-byte "dir" of this Content-Type, Hadoop's S3 connectors with a
-# zero-byte "dir_$folder$". Shown as directories; their objects are never shown as files.
-DIRECTORY_TYPE = "application/x-directory"
-FOLDER_SUFFIX = "_$folder$"
-
-
-def is_directory_object(info: ObjectInfo) -> bool:
-    """A zero-byte "dir" object that another tool wrote to stand for a directory."""
-    return (info.size == 0 and not info.key.endswith("/") and info.content_type is not None
-            and info.content_type.split(";")[0].strip().lower() == DIRECTORY_TYPE)
-
-
-def folder_marker_of(name: str, info: ObjectInfo) -> str | None:
-    """The directory a Hadoop "dir_$folder$" marker stands for, if `name` is one."""
-    if info.size == 0 and name.endswith(FOLDER_SUFFIX) and len(name) > len(FOLDER_SUFFIX):
-        return name[:-len(FOLDER_SUFFIX)]
-    return None
 
 
 def _kind_of(info: ObjectInfo) -> int:
@@ -243,26 +210,11 @@ class Namespace:
     async def _lookup_in_s3(self, parent: Inode, name: str, child: Inode | None, key: str,
                             masked: Callable[[str], bool]) -> Inode | None:
         """HEAD the object and LIST the "name/" prefix at once: a file, a directory, or None."""
-        head: list[ObjectInfo | None] = [None]
-        listing: list[ListPage] = []
         etag_before = child.etag if child is not None else None
         # Masks judge the mount's names (`key`); S3 holds them under `physical` while a
         # directory rename waits in the log (InodeTable.physical).
         physical = self.table.physical(key)
-
-        async def do_head() -> None:
-            try:
-                head[0] = await self.s3.head(physical)
-            except NoSuchKey:
-                pass
-
-        async def do_list() -> None:
-            listing.append((await self.s3.list_page(physical + "/", None, delimiter="/",
-                                                    max_keys=1))[0])
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(do_head)
-            nursery.start_soon(do_list)
+        head, page = await self._head_and_list(physical)
         # The table may have changed while S3 answered: the kernel's FORGET may have dropped
         # `child` (answering with it would hand the kernel an inode number nobody knows), or
         # the mount itself may have created the name, or changed the file: then S3's answer
@@ -274,7 +226,6 @@ class Namespace:
                 return child
         elif child is not None and (child.is_local or child.etag != etag_before):
             return child
-        page = listing[0]
         if (page.objects or page.prefixes) and not masked(key + "/"):
             if child is not None and child.is_dir:
                 child.confirmed()
@@ -282,11 +233,11 @@ class Namespace:
             inode = self._new_dir(parent, name)
             if page.objects and page.objects[0].key == physical + "/":
                 await self._load_dir_meta(inode, physical + "/")
-            elif head[0] is not None and is_directory_object(head[0]) and not masked(key):
+            elif head is not None and is_directory_object(head) and not masked(key):
                 inode.marked_by(physical)  # another tool's marker of a directory with children
-                self._apply_dir_meta(inode, head[0].metadata)
+                self._apply_dir_meta(inode, head.metadata)
             return inode
-        info = head[0]
+        info = head
         if info is not None and masked(key):
             info = None
         if info is not None and is_directory_object(info):
@@ -310,6 +261,25 @@ class Namespace:
         if child is not None and not child.is_dir:
             return self._refresh_file(parent, child, info, with_metadata=True)
         return self._new_file(parent, name, info, with_metadata=True)
+
+    async def _head_and_list(self, key: str) -> tuple[ObjectInfo | None, ListPage]:
+        """At once: HEAD `key` (None: no such object) and the first entry under `key/`."""
+        head: list[ObjectInfo | None] = [None]
+        listing: list[ListPage] = []
+
+        async def do_head() -> None:
+            try:
+                head[0] = await self.s3.head(key)
+            except NoSuchKey:
+                pass
+
+        async def do_list() -> None:
+            listing.append((await self.s3.list_page(key + "/", None, delimiter="/", max_keys=1))[0])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(do_head)
+            nursery.start_soon(do_list)
+        return head[0], listing[0]
 
     def _refresh_file(self, parent: Inode, child: Inode, info: ObjectInfo, with_metadata: bool) -> Inode:
         """`child` refreshed from S3; a new inode if the object changed behind the mount's back
@@ -352,21 +322,7 @@ class Namespace:
                 del self._rechecking[parent.ino]
             done.set()
         now = time.monotonic()
-        seen: dict[str, ObjectInfo | None] = {}  # name -> object, None for a directory
-        last = b""
-        for prefix in page.prefixes:
-            if not masked(dir_key + prefix[len(physical):]):
-                seen[prefix[len(physical):-1]] = None
-            last = max(last, _sort_key(prefix))
-        for obj in page.objects:
-            rest = obj.key[len(physical):]
-            if rest and not masked(dir_key + rest):
-                folder = folder_marker_of(rest, obj)
-                if folder is not None:
-                    seen[folder] = None  # a directory (another tool's marker of it)
-                else:
-                    seen.setdefault(rest, obj)  # a directory wins, as in list_dir
-            last = max(last, _sort_key(obj.key))
+        seen, last = page_entries(page, physical, dir_key, masked)  # (None: a directory)
         forgotten = self._forgotten.get(parent.ino, {})
         for other, info in seen.items():
             known = self.table.child(parent.ino, other) or forgotten.get(other)
@@ -390,7 +346,7 @@ class Namespace:
                                             or info.size <= SYMLINK_MAX):
                 return False, None  # its kind is in its metadata: the full lookup HEADs it
             return True, self._refresh_file(parent, child, info, with_metadata=False)
-        covered = more is None or _sort_key(physical + name + "/") <= last
+        covered = more is None or sort_key(physical + name + "/") <= last
         if not covered or masked(key):
             return False, None
         self.table.detach(child)  # gone from S3
@@ -411,31 +367,6 @@ class Namespace:
                              mtime_ns=parse_stamp(md.get("mtime"), inode.mtime_ns))
         inode.described()
 
-    async def _head_small(self, dir_key: str, directory: Inode,
-                          files: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
-        """HEAD the objects whose type a LIST entry cannot tell (see SMALL_HEADS)."""
-        def known(name: str, info: ObjectInfo) -> bool:  # or owned by the mount: not asked
-            c = self.table.child(directory.ino, name)
-            return c is not None and (c.is_local or (c.meta_known and c.etag == info.etag))
-        unknown = [(n, info) for n, info in files.items()
-                   if info.size <= SYMLINK_MAX and not known(n, info)]
-        marked = [n for n, info in unknown if is_marked(info.etag, info.size)]
-        plain = [n for n, info in unknown if not is_marked(info.etag, info.size)]
-        names = marked + (plain if len(plain) <= SMALL_HEADS else [])
-        headed: dict[str, ObjectInfo] = {}
-        limit = trio.CapacityLimiter(16)
-
-        async def head(name: str) -> None:
-            async with limit:
-                try:
-                    headed[name] = await self.s3.head(dir_key + name)
-                except NoSuchKey:
-                    pass  # gone since the LIST: the listing's entry stands until the next look
-        async with trio.open_nursery() as nursery:
-            for name in names:
-                nursery.start_soon(head, name)
-        return headed
-
     async def list_dir(self, directory: Inode) -> list[Inode]:
         """Every entry of `directory`: S3's listing merged with the mount's local changes."""
         with self.masks() as masked:
@@ -448,13 +379,14 @@ class Namespace:
             # An entry the mount made, changed or confirmed after this moment is newer than
             # anything the listing says (a close-mode close put it in S3 while the LIST was out).
             asked = time.monotonic()
-            listed = await self._list_s3(directory, dir_key, physical, masked)
+            listed = await read_listing(self.s3, self.table, directory, dir_key, physical, masked,
+                                        lambda name: is_reserved(directory, name), self._warn_once)
             key = self.table.key_of(directory)
             if (key, self.table.physical(key)) == (dir_key, physical):
                 break
             # Renamed while it was listed, or S3 moved its objects meanwhile (an async
             # directory rename applied): the listing is of a place S3 no longer uses for it.
-        return self._merge_listing(directory, dir_key, asked, masked, *listed)
+        return self._merge_listing(directory, dir_key, asked, masked, listed)
 
     def _moving(self, directory: Inode) -> bool:
         """The directory, or one above it, has changes S3 has not applied (async mode: a
@@ -472,46 +404,10 @@ class Namespace:
                 return False
             node = parent
 
-    async def _list_s3(self, directory: Inode, dir_key: str, physical: str,
-                       masked: Callable[[str], bool]) -> tuple[set[str], dict[str, ObjectInfo],
-                                                              dict[str, str], dict[str, ObjectInfo]]:
-        """(directory names, file objects, other tools' markers, HEADed small objects)."""
-        dirs: set[str] = set()
-        files: dict[str, ObjectInfo] = {}
-        markers: dict[str, str] = {}  # directory name -> another tool's marker object for it
-        async for page in self.s3.list_pages(physical):
-            for prefix in page.prefixes:
-                name = prefix[len(physical):-1]
-                if masked(dir_key + name + "/") or is_reserved(directory, name):
-                    continue
-                if valid_name(name):
-                    dirs.add(name)
-                else:
-                    self._warn_once(prefix, "not a valid file name")
-            for obj in page.objects:
-                name = obj.key[len(physical):]
-                if name == "" or masked(dir_key + name) or is_reserved(directory, name):
-                    continue  # the directory's own marker, or removed here and not yet in S3
-                folder = folder_marker_of(name, obj)
-                if folder is not None and valid_name(folder):
-                    dirs.add(folder)
-                    markers[folder] = obj.key
-                elif valid_name(name):
-                    files[name] = obj
-                else:
-                    self._warn_once(obj.key, "not a valid file name")
-        headed = await self._head_small(physical, directory, files)
-        for name, info in headed.items():
-            if is_directory_object(info):
-                del files[name]
-                dirs.add(name)
-                markers.setdefault(name, info.key)
-        return dirs, files, markers, headed
-
     def _merge_listing(self, directory: Inode, dir_key: str, asked: float,
-                       masked: Callable[[str], bool], dirs: set[str], files: dict[str, ObjectInfo],
-                       markers: dict[str, str], headed: dict[str, ObjectInfo]) -> list[Inode]:
+                       masked: Callable[[str], bool], listed: Listing) -> list[Inode]:
         """The listing against the table: new entries made, stale ones refreshed or dropped."""
+        dirs, files, markers, headed = listed.dirs, listed.files, listed.markers, listed.headed
         entries: list[Inode] = []
         seen: set[str] = set()
         for name in sorted(dirs | set(files)):
@@ -547,11 +443,6 @@ class Namespace:
         self._listed_now(directory.ino)
         entries.sort(key=lambda i: i.name)
         return entries
-
-
-def _sort_key(key: str) -> bytes:
-    """S3 lists keys in the order of their UTF-8 bytes."""
-    return key.encode("utf-8", "surrogateescape")
 
 
 def _int(text: str | None, default: int) -> int:

@@ -1,17 +1,15 @@
 """Reads of files that are not staged here: the read cache on disk, else S3 through buffers.
 
 A read of a clean object is answered chunk by chunk (8 MiB). A chunk on disk here (the whole
-object in the read cache, a file written on this host and adopted after its upload, or the
-chunk's own cache file) is answered with a view of a mapping of just the bytes asked for,
-so pyfuse3's copy into the kernel is the only one (a pread into a new bytes object cost a
-copy and page faults more; LocalView). A chunk that is not is fetched from S3 by a ranged
-GET received straight into a new chunk file of the disk cache (over plain HTTP the kernel
-splices the body from the socket into the file's page cache: one copy, and no buffer of this
-process holds the bytes), published as soon as it is whole, and then read like any chunk on
-disk. Readahead fetches up to four consecutive chunks with one GET into four files, each
-usable as soon as it is full: a quarter of the requests, which costs the client and the
-server less CPU per byte (and S3 users fewer request charges). On a small machine memory
-bandwidth is what a read costs, so this path counts copies.
+object in the read cache, a file written here and adopted after its upload, or the chunk's
+own cache file) is answered with a view of a mapping of the bytes asked for (localread.py):
+pyfuse3's copy into the kernel is the only one. A chunk that is not is fetched by a ranged
+GET received straight into a new chunk file of the disk cache (over plain HTTP spliced from
+the socket into the file's page cache: one copy, no buffer of this process), published as
+soon as it is whole, and then read like any chunk on disk. Readahead fetches up to four
+consecutive chunks with one GET into four files, each usable as soon as it is full: a
+quarter of the requests, less CPU per byte on both sides. This path counts copies: on a
+small machine memory bandwidth is what a read costs.
 
 Where the disk cache cannot take chunks (smaller than 1 GiB, or its disk refused a write:
 then for 10 s) they go into a fixed pool of page-aligned buffers instead (`--read-memory`),
@@ -34,8 +32,6 @@ it waits for another, so the pool cannot deadlock.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import logging
 import mmap
@@ -45,112 +41,20 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ckptfs.assembly import WholeObjects
 from ckptfs.broadcast import Broadcast
-from ckptfs.cache import ObjectCache, concatenate
+from ckptfs.cache import ObjectCache
 from ckptfs.errors import LocalWriteError, S3Error
+from ckptfs.handles import ReadStream
+from ckptfs.localread import ALIGN, LocalView, store_file
 from ckptfs.parts import MiB
 from ckptfs.s3types import S3
-
-_WANT_WHOLE = 64  # objects read to the end whose chunks are awaited for assembly
 
 log = logging.getLogger(__name__)
 
 ChunkId = tuple[str, str, int]  # key, etag, chunk index
 
-_ALIGN = 4096  # O_DIRECT wants offsets, lengths and addresses aligned to the logical block
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _open_direct(path: str, flags: int) -> tuple[int, bool]:
-    """Open with O_DIRECT if the file system supports it; say whether it did."""
-    try:
-        return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC, 0o600), True
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return os.open(path, flags | os.O_CLOEXEC, 0o600), False
-
-
-def store_file(tmp: str, buf: mmap.mmap, length: int) -> None:
-    """Blocking: write the first `length` bytes of `buf` to the new file `tmp` (no fsync:
-    the cache may lose entries, never hold wrong ones; the name is published after this)."""
-    fd, direct = _open_direct(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    try:
-        view = memoryview(buf)
-        stop = min(_aligned(length), len(buf)) if direct else length
-        n = 0
-        while n < stop:
-            if direct and n % _ALIGN:  # a short write left us unaligned: go on buffered
-                os.close(fd)
-                fd, direct = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC), False
-                stop = length
-            n += os.pwritev(fd, [view[n:stop]], n)
-        if n != length:
-            os.ftruncate(fd, length)  # drop the alignment padding
-    finally:
-        os.close(fd)
-
-
-_MADV_POPULATE_READ = 22  # Linux 5.14: fault a range in for reading, without touching it
-_LOCAL_READAHEAD = 16 * MiB  # advised after a read that found its pages not in memory
 _FILES_BACKOFF = 10.0  # seconds reads use buffers after a chunk file could not be written
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-_LOW_BIT = bytes(b & 1 for b in range(256))
-
-
-class LocalView:
-    """A range of a local file, mapped to be replied from without a copy.
-
-    The mapping is private and writable only so that ctypes can take its address for
-    mincore(); nothing writes to it (a write would copy the page, never reach the file).
-    pyfuse3 replies from the view before any other task runs, and every truncate of a staged
-    or cached file happens on the FUSE loop too, so reply() clamping the range to the file's
-    size makes the reply never touch a page past the end (which would raise SIGBUS). Only a
-    process outside ckptfs truncating a file in the cache dir could still do that.
-    """
-
-    def __init__(self, fd: int, offset: int, end: int) -> None:
-        self.offset, self.end = offset, end
-        self.base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        self.map = mmap.mmap(fd, end - self.base, flags=mmap.MAP_PRIVATE,
-                             prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=self.base)
-
-    def resident(self) -> bool:
-        """Whether every page of the range is in the page cache (mapping it cannot block)."""
-        length = len(self.map)
-        pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = ctypes.create_string_buffer(pages)
-        anchor = ctypes.c_char.from_buffer(self.map)
-        try:
-            rc = _libc.mincore(ctypes.addressof(anchor), length, vec)
-        finally:
-            del anchor
-        return rc == 0 and vec.raw[:pages].translate(_LOW_BIT) == b"\x01" * pages
-
-    def load(self, fd: int) -> None:
-        """Blocking: bring the range into memory, and advise readahead past it."""
-        try:
-            os.posix_fadvise(fd, self.end, _LOCAL_READAHEAD, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass  # only a hint
-        try:
-            self.map.madvise(_MADV_POPULATE_READ)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                return  # EFAULT: the file shrank meanwhile; reply() clamps
-            os.preadv(fd, [bytearray(len(self.map))], self.base)  # an old kernel: read it
-
-    def reply(self) -> bytes | memoryview:
-        end = min(self.end, self.map.size())  # size() asks the file, not the mapping
-        if end <= self.offset:
-            return b""
-        return memoryview(self.map)[self.offset - self.base:end - self.base]
-
-
 @dataclass(eq=False)
 class _Chunk:
     cid: ChunkId
@@ -162,38 +66,11 @@ class _Chunk:
     read: bool = False  # a reader has used it (readahead not yet read is worth more)
 
 
-@dataclass
-class ReadStream:
-    """Per-handle read state used to tell sequential readers from random ones."""
-    next_offset: int = 0
-    sequential_reads: int = 0
-    window: int = 0  # chunks to keep loaded ahead of the reader
-    last_chunk: int = -1
-    ahead: int = -1  # the last chunk readahead has started on
-
-    def advance(self, offset: int, end: int, chunk_size: int, max_window: int) -> None:
-        """Account for a read of [offset, end): continue the sequential stream or reset it."""
-        last = (end - 1) // chunk_size
-        # The kernel's own readahead keeps several requests in flight, so a sequential reader's
-        # requests arrive out of order (a later batch can be answered before an earlier one):
-        # anything within the window either side of the stream continues it.
-        near = abs(offset - self.next_offset) <= max(self.window, 2) * chunk_size
-        if self.sequential_reads and near or offset == self.next_offset:
-            self.sequential_reads += 1
-        else:
-            self.sequential_reads = 0
-            self.window = 0
-        self.next_offset = max(end, self.next_offset) if near else end
-        if self.sequential_reads >= 2 and last > self.last_chunk:
-            self.window = min(max(2, self.window * 2), max_window)
-        self.last_chunk = max(last, self.last_chunk) if self.sequential_reads else last
-
-
 class ChunkReader:
     def __init__(self, s3: S3, cache: ObjectCache | None = None, chunk_size: int = 8 * MiB,
                  memory_budget: int = 48 * MiB, max_window: int = 16, get_chunks: int = 4, *,
                  nursery: trio.Nursery, into_files: bool = True) -> None:
-        assert chunk_size % _ALIGN == 0
+        assert chunk_size % ALIGN == 0
         self.s3 = s3
         self.cache = cache
         self.chunk_size = chunk_size
@@ -227,54 +104,16 @@ class ChunkReader:
         self.bytes_downloaded = 0
         self.bytes_spliced = 0  # of those, received into the disk cache by splice(2)
         self.gets = 0
-        # Set when the kernel can read local files itself (passthrough.py): an object whose
-        # chunks are all in the disk cache becomes one file there, which later opens use.
-        self.assemble = False
-        self._assembling: set[tuple[str, str]] = set()
-        # Objects a reader read to the end before all their chunks were in the cache: looked
-        # at again as chunks of them are stored (at most _WANT_WHOLE, the latest).
-        self._want_whole: OrderedDict[tuple[str, str], int] = OrderedDict()
-        self.assembled = 0
+        # Whole objects for passthrough (assembly.py): on once the kernel can read local files.
+        self.whole = WholeObjects(cache, chunk_size, nursery) if cache is not None else None
 
     def _chunk_stored(self, key: str, etag: str) -> None:
-        size = self._want_whole.get((key, etag))
-        if size is not None:
-            self._assemble_soon(key, etag, size)
-
-    def _assemble_soon(self, key: str, etag: str, size: int) -> None:
-        assert self.cache is not None
-        if (key, etag) in self._assembling or self.cache.whole_path(key, etag, size) is not None:
-            return
-        chunks = self.cache.open_chunks(key, etag, size, self.chunk_size)
-        if chunks is None:  # not all cached (yet)
-            self._want_whole[(key, etag)] = size
-            while len(self._want_whole) > _WANT_WHOLE:
-                self._want_whole.popitem(last=False)
-            return
-        self._want_whole.pop((key, etag), None)
-        self._assembling.add((key, etag))
-        self._nursery.start_soon(self._assemble, key, etag, size, chunks)
-
-    async def _assemble(self, key: str, etag: str, size: int, chunks: list[int]) -> None:
-        """Copy an object's cached chunks, in the kernel, into one file of the cache."""
-        assert self.cache is not None
-        name, tmp = self.cache.whole_tmp(key, etag)
-        try:
-            await trio.to_thread.run_sync(concatenate, chunks, tmp, size, self.chunk_size)
-            self.cache.commit_whole(key, etag, name, tmp, size)
-            self.assembled += 1
-        except OSError as exc:
-            log.debug("read cache: could not assemble %s: %s", key, exc)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        finally:
-            for fd in chunks:
-                os.close(fd)
-            self._assembling.discard((key, etag))
+        if self.whole is not None:
+            self.whole.chunk_stored(key, etag)
 
     def stats(self) -> dict[str, int]:
         return {"bytes_downloaded": self.bytes_downloaded, "bytes_spliced": self.bytes_spliced,
-                "objects_assembled": self.assembled,
+                "objects_assembled": self.whole.assembled if self.whole else 0,
                 "chunk_cache_hits": self.hits,
                 "chunk_cache_misses": self.misses, "chunk_disk_hits": self.disk_hits}
 
@@ -302,8 +141,8 @@ class ChunkReader:
         return b"".join(pieces)
 
     def _reached(self, key: str, etag: str, size: int, end: int) -> None:
-        if end == size and self.assemble and self.cache is not None:
-            self._assemble_soon(key, etag, size)  # a reader reached the end: all cached?
+        if end == size and self.whole is not None:
+            self.whole.reached(key, etag, size)  # a reader reached the end: all cached?
 
     async def _read_chunk(self, key: str, etag: str, size: int, k: int, lo: int,
                           hi: int) -> bytes | memoryview:
@@ -481,8 +320,7 @@ class ChunkReader:
             return
         key, etag, first = chunks[0].cid
         start = first * self.chunk_size
-        wants = [min((c.cid[2] + 1) * self.chunk_size, size) - c.cid[2] * self.chunk_size
-                 for c in chunks]
+        wants = self._wants(chunks, size)
         token = trio.lowlevel.current_trio_token()
         error: BaseException | None = None
 
@@ -510,7 +348,7 @@ class ChunkReader:
             await self.s3.get_ranges_into(key, start, outs, etag, filled)
         except Exception as exc:  # handed to every waiter; readahead failures are only logged
             error = exc
-            log.debug("load of %s chunks %d-%d failed: %s", key, first, first + len(chunks) - 1, exc)
+            self._load_failed(exc, chunks)
         finally:
             for chunk, want, done in zip(chunks, wants, full):
                 if done:
@@ -535,8 +373,7 @@ class ChunkReader:
         assert self.cache is not None
         cache = self.cache
         key, etag, first = chunks[0].cid
-        wants = [min((c.cid[2] + 1) * self.chunk_size, size) - c.cid[2] * self.chunk_size
-                 for c in chunks]
+        wants = self._wants(chunks, size)
         token = trio.lowlevel.current_trio_token()
         files: list[tuple[str, str, int]] = []  # name, temp path, descriptor
         full = [False] * len(chunks)
@@ -575,13 +412,7 @@ class ChunkReader:
             token.run_sync_soon(settle, i)
 
         try:
-            for chunk in chunks:
-                name, tmp = cache.chunk_tmp(key, etag, chunk.cid[2])
-                try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                except OSError as exc:
-                    raise LocalWriteError(exc.errno, exc.strerror) from None
-                files.append((name, tmp, fd))
+            self._open_chunk_files(chunks, files)
             self.misses += len(chunks)
             self.gets += 1
             spliced = await self.s3.get_ranges_to_files(
@@ -590,19 +421,40 @@ class ChunkReader:
             self.bytes_spliced += spliced  # (not `+= await`: that adds to a stale value)
         except Exception as exc:  # handed to every waiter; readahead failures are only logged
             error = exc
-            if isinstance(exc, LocalWriteError):  # a full cache disk: buffers for a while
-                self._files_failed_at = trio.current_time()
-                log.warning("read cache: cannot write chunks of %s (%s); reads use memory "
-                            "buffers for %d s", key, exc, _FILES_BACKOFF)
-            else:
-                log.debug("load of %s chunks %d-%d failed: %s", key, first,
-                          first + len(chunks) - 1, exc)
+            self._load_failed(exc, chunks)
         finally:
             for i, chunk in enumerate(chunks):
                 if i < len(files):
                     settle(i)
                 elif not chunk.ready.is_set():
                     release(chunk, False)  # its file was never opened
+
+    def _wants(self, chunks: list[_Chunk], size: int) -> list[int]:
+        """The bytes of each chunk (the object's last one may be short)."""
+        return [min((c.cid[2] + 1) * self.chunk_size, size) - c.cid[2] * self.chunk_size
+                for c in chunks]
+
+    def _open_chunk_files(self, chunks: list[_Chunk], files: list[tuple[str, str, int]]) -> None:
+        """A new temporary file of the disk cache for each chunk, appended to `files` as
+        (name, temp path, descriptor) as each is opened."""
+        assert self.cache is not None
+        for chunk in chunks:
+            key, etag, k = chunk.cid
+            name, tmp = self.cache.chunk_tmp(key, etag, k)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise LocalWriteError(exc.errno, exc.strerror) from None
+            files.append((name, tmp, fd))
+
+    def _load_failed(self, exc: Exception, chunks: list[_Chunk]) -> None:
+        key, _, first = chunks[0].cid
+        if isinstance(exc, LocalWriteError):  # a full cache disk: buffers for a while
+            self._files_failed_at = trio.current_time()
+            log.warning("read cache: cannot write chunks of %s (%s); reads use memory "
+                        "buffers for %d s", key, exc, _FILES_BACKOFF)
+        else:
+            log.debug("load of %s chunks %d-%d failed: %s", key, first, first + len(chunks) - 1, exc)
 
     async def _keep(self, chunk: _Chunk) -> None:
         """Write a fetched chunk to the disk cache, then let go of its buffer."""

@@ -80,7 +80,7 @@ class Renames:
         """Every object under the "dir/" prefix `src` moved under `dst`, under an intent;
         {key relative to the directory: new ETag}. `metadata`: the new marker's, if the
         source has none (an implicit directory). `also_delete`: another tool's marker object
-        of the source (namespace.is_directory_object), deleted with the sources. `replaced`:
+        of the source (listing.is_directory_object), deleted with the sources. `replaced`:
         the marker objects of the empty directory the rename replaces, deleted first (stores
         with real folders delete a folder recursively: never after the copies)."""
         objects = await self.s3.list_keys(src)

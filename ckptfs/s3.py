@@ -1,4 +1,5 @@
-"""The only module that imports boto3: a small async S3 client.
+"""The only module that imports boto3: a small async S3 client (s3wire.py: what crosses
+botocore, translated).
 
 boto3 blocks, so every call runs in a worker thread under one CapacityLimiter
 shared by the whole mount; the connection pool is sized to that limiter.
@@ -15,11 +16,9 @@ botocore's own retries are off, so attempts never multiply.
 from __future__ import annotations
 
 import contextlib
-import http.client
-import datetime as dt
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import boto3
@@ -27,14 +26,14 @@ import botocore.config
 import botocore.exceptions
 import trio
 
-from ckptfs import zerocopy
-from ckptfs.bodies import FileRange, crc_of_range, scatter, send_in_pieces
+from ckptfs.bodies import FileRange, crc_of_range, send_in_pieces
 from ckptfs.buffers import BufferBudget
 from ckptfs.checksum import b64_crc32, crc32
-from ckptfs.errors import LocalWriteError, NoSuchKey, S3Error
+from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.parts import GiB
 from ckptfs.retry import RetryPolicy
 from ckptfs.s3types import ListPage, ObjectInfo, is_marked, needs_mark
+from ckptfs.s3wire import etag_of, mapped, read_body_into, read_body_to_files, timestamp
 
 log = logging.getLogger(__name__)
 
@@ -44,41 +43,6 @@ T = TypeVar("T")
 COPY_LIMIT = 5 * GiB
 COPY_PART_SIZE = 1 * GiB
 _DELETE_BATCH = 1000
-
-
-def _etag(response: dict[str, Any]) -> str:
-    """An object's ETag in one spelling, quoted as HEAD and LIST give it: SeaweedFS leaves the
-    quotes off in CopyObjectResult, and a renamed file then looked changed on its next lookup
-    (a new inode number, its local copy dropped)."""
-    etag = response.get("ETag", "").strip('"')
-    return f'"{etag}"' if etag else ""
-
-
-def _timestamp(value: Any) -> float:
-    if isinstance(value, dt.datetime):
-        return value.timestamp()
-    return 0.0
-
-
-@contextlib.contextmanager
-def _mapped(op: str, key: str) -> Iterator[None]:
-    """Translate botocore failures into domain exceptions for one call."""
-    try:
-        yield
-    except botocore.exceptions.ClientError as exc:
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in ("NoSuchKey", "404", "NotFound") or (status == 404 and code != "NoSuchBucket"):
-            raise NoSuchKey(key) from None
-        raise S3Error(f"{op} {key}: {code or status} {err.get('Message', '')}".strip(), code,
-                      status) from None
-    except botocore.exceptions.BotoCoreError as exc:
-        # Connection refused or reset, timeouts, a truncated response: worth another try.
-        # Configuration problems (no credentials, bad parameters) are not.
-        retryable = not isinstance(exc, (botocore.exceptions.NoCredentialsError,
-                                         botocore.exceptions.ParamValidationError))
-        raise S3Error(f"{op} {key}: {exc}", type(exc).__name__, None, retryable) from None
 
 
 # Over plain HTTP botocore signs a SHA-256 of every body (over HTTPS it skips that for uploads
@@ -104,81 +68,6 @@ def make_boto_client(endpoint_url: str | None, region: str | None, profile: str 
     )
     return session.client("s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
                           config=config)
-
-
-def _read_body_into(key: str, body: Any, outs: list[memoryview],
-                    filled: Callable[[int], None] | None = None) -> None:
-    """Fill the buffers `outs`, in order, from a botocore StreamingBody, calling `filled(i)`
-    as soon as outs[i] is full. The http.client response under urllib3's reads straight into
-    a buffer (urllib3's own readinto reads into a temporary bytes first); where that layer is
-    not there, fall back to read()."""
-    total = sum(len(out) for out in outs)
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if fp is None or not hasattr(fp, "readinto") or not hasattr(raw, "release_conn"):
-        with _mapped("GET", key):
-            data = body.read()
-        if len(data) != total:
-            raise S3Error(f"GET {key}: short body ({len(data)} of {total} bytes)", retryable=True)
-        scatter(data, outs, filled)
-        return
-    got_all = 0
-    try:
-        for i, out in enumerate(outs):
-            n = 0
-            while n < len(out):
-                got = fp.readinto(out[n:])
-                if not got:
-                    break
-                n += got
-            got_all += n
-            if n != len(out):
-                break
-            if filled is not None:
-                filled(i)
-    except (OSError, http.client.HTTPException) as exc:
-        body.close()  # the connection is in an unknown state: drop it, never pool it
-        raise S3Error(f"GET {key}: {exc!r}", type(exc).__name__, None, True) from None
-    if got_all != total:
-        body.close()
-        raise S3Error(f"GET {key}: short body ({got_all} of {total} bytes)", retryable=True)
-    fp.close()  # at the end of its body: the socket stays open for the pool
-    raw.release_conn()
-
-
-def _read_body_to_files(key: str, body: Any, targets: list[tuple[int, int]],
-                        filled: Callable[[int], None]) -> int:
-    """Write a botocore StreamingBody into the files `targets` (zerocopy.receive_into_files);
-    where urllib3's layer is not there, read it whole and write it. Returns the bytes
-    spliced."""
-    total = sum(n for _, n in targets)
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if fp is None or not hasattr(raw, "release_conn"):
-        with _mapped("GET", key):
-            data = body.read()
-        if len(data) != total:
-            raise S3Error(f"GET {key}: short body ({len(data)} of {total} bytes)", retryable=True)
-        offset = 0
-        for i, (fd, n) in enumerate(targets):
-            zerocopy.write_all(fd, memoryview(data)[offset:offset + n], 0)
-            offset += n
-            filled(i)
-        return 0
-    try:
-        spliced = zerocopy.receive_into_files(fp, targets, filled)
-    except LocalWriteError:
-        body.close()  # mid-body: the connection is not reused
-        raise
-    except (OSError, http.client.HTTPException) as exc:
-        body.close()  # the connection is in an unknown state: drop it, never pool it
-        raise S3Error(f"GET {key}: {exc!r}", type(exc).__name__, None, True) from None
-    if fp.length:
-        body.close()
-        raise S3Error(f"GET {key}: {fp.length} bytes of the body were not read", retryable=True)
-    fp.close()  # at the end of its body: the socket stays open for the pool
-    raw.release_conn()
-    return spliced
 
 
 class S3Client:
@@ -209,7 +98,7 @@ class S3Client:
     async def _call(self, op: str, key: str, fn: Callable[..., Any], deadline: float | None = None,
                     **kwargs: Any) -> Any:
         def run() -> Any:
-            with _mapped(op, key):
+            with mapped(op, key):
                 return fn(Bucket=self.bucket, **kwargs)
         return await self._retried(f"{op} {key}", deadline,
                                    lambda: trio.to_thread.run_sync(run, limiter=self.limiter))
@@ -219,7 +108,7 @@ class S3Client:
         if checksum:
             kwargs["ChecksumMode"] = "ENABLED"
         r = await self._call("HEAD", key, self._c.head_object, deadline, **kwargs)
-        return ObjectInfo(key, r["ContentLength"], _etag(r), _timestamp(r.get("LastModified")),
+        return ObjectInfo(key, r["ContentLength"], etag_of(r), timestamp(r.get("LastModified")),
                           dict(r.get("Metadata", {})), r.get("ChecksumCRC32"), r.get("ContentType"))
 
     async def list_page(self, prefix: str, token: str | None, delimiter: str = "/",
@@ -232,7 +121,7 @@ class S3Client:
         if start_after:
             kwargs["StartAfter"] = start_after
         r = await self._call("LIST", prefix, self._c.list_objects_v2, **kwargs)
-        objects = [ObjectInfo(o["Key"], o["Size"], _etag(o), _timestamp(o.get("LastModified")))
+        objects = [ObjectInfo(o["Key"], o["Size"], etag_of(o), timestamp(o.get("LastModified")))
                    for o in r.get("Contents", [])]
         prefixes = [p["Prefix"] for p in r.get("CommonPrefixes", [])]
         nxt = r.get("NextContinuationToken") if r.get("IsTruncated") else None
@@ -279,7 +168,7 @@ class S3Client:
         `filled(i)` runs in the worker thread as soon as outs[i] is full (the rest may still
         fail). Fewer, larger GETs cost the client and the server less CPU per byte."""
         await self._get_ranges(key, start, [len(out) for out in outs], etag, filled,
-                               lambda body, first, done: _read_body_into(key, body, outs[first:], done))
+                               lambda body, first, done: read_body_into(key, body, outs[first:], done))
 
     async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
                                   etag: str | None = None,
@@ -293,7 +182,7 @@ class S3Client:
         spliced = [0]  # in the worker thread, attempt after attempt
 
         def receive(body: Any, first: int, done: Callable[[int], None]) -> None:
-            spliced[0] += _read_body_to_files(key, body, targets[first:], done)
+            spliced[0] += read_body_to_files(key, body, targets[first:], done)
         await self._get_ranges(key, start, [n for _, n in targets], etag, filled, receive)
         return spliced[0]
 
@@ -309,7 +198,7 @@ class S3Client:
             kwargs: dict[str, Any] = {"Key": key, "Range": f"bytes={offset}-{offset + length - 1}"}
             if etag:
                 kwargs["IfMatch"] = etag
-            with _mapped("GET", key):
+            with mapped("GET", key):
                 r = self._c.get_object(Bucket=self.bucket, **kwargs)
             if r.get("ContentLength", length) != length:
                 r["Body"].close()
@@ -342,7 +231,7 @@ class S3Client:
             return await self._put_one_part(key, body, metadata, deadline)
         r = await self._call("PUT", key, self._c.put_object, deadline, Key=key, Body=body,
                              Metadata=metadata, ChecksumCRC32=b64_crc32(crc32(body)))
-        return _etag(r)
+        return etag_of(r)
 
     async def _put_one_part(self, key: str, body: bytes, metadata: dict[str, str],
                             deadline: float | None) -> str:
@@ -381,7 +270,7 @@ class S3Client:
         the file. `reread`: the bytes are in the page cache (the kernel wrote them: FUSE
         passthrough), so a pass for the CRC32 costs less than a buffer. Returns (ETag, CRC32)."""
         def send(body: Any, crc: int) -> str:
-            with _mapped(f"UploadPart {number}", key):
+            with mapped(f"UploadPart {number}", key):
                 r = self._c.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                         PartNumber=number, Body=body, ChecksumCRC32=b64_crc32(crc))
             return r["ETag"]
@@ -394,10 +283,10 @@ class S3Client:
         """PutObject of the first `size` bytes of `fd`, with their CRC32 (`crc`, if the writes
         computed it, as for upload_part); (ETag, CRC32)."""
         def send(body: Any, crc: int) -> str:
-            with _mapped("PUT", key):
+            with mapped("PUT", key):
                 r = self._c.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata,
                                        ChecksumCRC32=b64_crc32(crc))
-            return _etag(r)
+            return etag_of(r)
         return await self._send_range(f"PUT {key}", fd, 0, size, deadline, send, crc, reread)
 
     async def _send_range(self, what: str, fd: int, start: int, size: int,
@@ -438,7 +327,7 @@ class S3Client:
         r = await self._call("CompleteMultipartUpload", key, self._c.complete_multipart_upload,
                              deadline, Key=key, UploadId=upload_id,
                              MultipartUpload={"Parts": parts}, **kwargs)
-        return _etag(r)
+        return etag_of(r)
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         await self._call("AbortMultipartUpload", key, self._c.abort_multipart_upload,
@@ -479,7 +368,7 @@ class S3Client:
             r = await self._call("ListMultipartUploads", prefix, self._c.list_multipart_uploads,
                                  **kwargs)
             for u in r.get("Uploads", []):
-                out.append((u["Key"], u["UploadId"], _timestamp(u.get("Initiated"))))
+                out.append((u["Key"], u["UploadId"], timestamp(u.get("Initiated"))))
             if not r.get("IsTruncated"):
                 return out
             kwargs.update(KeyMarker=r.get("NextKeyMarker", ""),
@@ -495,7 +384,7 @@ class S3Client:
             if metadata is not None:
                 kwargs.update(MetadataDirective="REPLACE", Metadata=metadata)
             r = await self._call("COPY", dst, self._c.copy_object, deadline, **kwargs)
-            return _etag(r.get("CopyObjectResult", {}))
+            return etag_of(r.get("CopyObjectResult", {}))
         if metadata is None:
             metadata = (await self.head(src)).metadata
         upload_id = await self.create_multipart(dst, metadata, checksum=False)

@@ -19,7 +19,7 @@ from ckptfs import files as files_module
 from ckptfs.config import Config
 from ckptfs.daemon import Mount, build_mount
 from ckptfs.inodes import ROOT_INODE, Inode
-from ckptfs.namespace import SYMLINK_MAX
+from ckptfs.listing import SYMLINK_MAX
 from fakes3 import MemoryS3, hold
 
 

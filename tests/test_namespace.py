@@ -11,7 +11,8 @@ import trio.testing
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.masks import Masks
-from ckptfs.namespace import SMALL_HEADS, SYMLINK_MAX, Namespace, valid_name
+from ckptfs.listing import SMALL_HEADS, SYMLINK_MAX, valid_name
+from ckptfs.namespace import Namespace
 from ckptfs.s3types import ListPage, ObjectInfo, is_marked
 from fakes3 import MemoryS3
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import (BOTH_PATHS, BUCKET, Mount, Mounter, mounter_on_both_paths, run_ckptfs,
                       s3_bytes, s3_keys)
 
-from ckptfs.namespace import SMALL_HEADS
+from ckptfs.listing import SMALL_HEADS
 
 # Every test here runs on both paths of the bytes (conftest.BOTH_PATHS): what the kernel
 # writes to the staged file itself, and what the daemon writes for it, must look the same.

@@ -14,8 +14,10 @@ import trio
 
 from ckptfs.cache import ObjectCache
 from ckptfs.errors import LocalWriteError, S3Error
-from ckptfs.prefetch import ChunkReader, LocalView, ReadStream, store_file
-from ckptfs.s3 import _read_body_into
+from ckptfs.localread import LocalView, store_file
+from ckptfs.handles import ReadStream
+from ckptfs.prefetch import ChunkReader
+from ckptfs.s3wire import read_body_into as _read_body_into
 
 KiB = 1024
 CHUNK = 64 * KiB

@@ -239,7 +239,7 @@ def test_the_cache_stays_within_its_budget_and_never_evicts_unsent_files(proxied
 
 
 def test_a_sequential_stream_survives_slightly_out_of_order_requests_and_resets_on_a_jump() -> None:
-    from ckptfs.prefetch import ReadStream
+    from ckptfs.handles import ReadStream
     chunk = 8 * MiB
     stream = ReadStream()
     windows = []
