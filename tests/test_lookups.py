@@ -11,7 +11,6 @@ The same workload through a real mount, with `drop_caches`, is in test_posix.py.
 from __future__ import annotations
 
 import errno
-import os
 import time
 from pathlib import Path
 
@@ -26,88 +25,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from ckptfs.config import Config
 from ckptfs.daemon import Mount, build_mount
 from ckptfs.inodes import ROOT_INODE
-from ckptfs.namespace import SYMLINK_MAX
+from ckptfs.listing import SYMLINK_MAX
 from fakes3 import MemoryS3
+from inprocess import CTX, Kernel
 
 TTL = 1.0
 DIRS = ["", "d", "d/e"]
 NAMES = ["a", "b", "c"]
 files = st.builds(lambda d, n: f"{d}/{n}".lstrip("/"), st.sampled_from(DIRS), st.sampled_from(NAMES))
-CTX = pyfuse3.RequestContext()
-
-
-class Kernel:
-    """The kernel's side of inode references: what it looked up, and FORGET for all of it."""
-
-    def __init__(self, mount: Mount) -> None:
-        self.fs = mount.fs
-        self.refs: dict[int, int] = {}
-
-    def took(self, ino: int) -> None:
-        self.refs[ino] = self.refs.get(ino, 0) + 1
-
-    async def resolve(self, path: str) -> int:
-        """The inode of `path`, one LOOKUP per component (the dentry cache was dropped)."""
-        ino = ROOT_INODE
-        for part in filter(None, path.split("/")):
-            attrs = await self.fs.lookup(ino, part.encode(), CTX)
-            ino = attrs.st_ino
-            self.took(ino)
-        return ino
-
-    async def drop_caches(self) -> None:
-        refs, self.refs = self.refs, {}
-        await self.fs.forget(list(refs.items()))
-
-    async def listdir(self, path: str) -> list[str]:
-        ino = await self.resolve(path)
-        fh = await self.fs.opendir(ino, CTX)
-        names: list[str] = []
-
-        def reply(token, name: bytes, attrs: pyfuse3.EntryAttributes, next_id: int) -> bool:
-            names.append(os.fsdecode(name))
-            self.took(attrs.st_ino)
-            return True
-        real, pyfuse3.readdir_reply = pyfuse3.readdir_reply, reply
-        try:
-            await self.fs.readdir(fh, 0, None)
-        finally:
-            pyfuse3.readdir_reply = real
-            await self.fs.releasedir(fh)
-        return sorted(names)
-
-    async def write(self, path: str, data: bytes) -> None:
-        parent, _, name = path.rpartition("/")
-        parent_ino = await self.resolve(parent)
-        try:
-            ino = await self.resolve(path)
-            fh = (await self.fs.open(ino, os.O_WRONLY | os.O_TRUNC, CTX)).fh
-        except pyfuse3.FUSEError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
-            info, attrs = await self.fs.create(parent_ino, name.encode(), 0o644, os.O_WRONLY, CTX)
-            fh = info.fh
-            self.took(attrs.st_ino)
-        await self.fs.write(fh, 0, data)
-        await self.fs.flush(fh)
-        await self.fs.release(fh)
-
-    async def read(self, path: str) -> bytes:
-        fh = (await self.fs.open(await self.resolve(path), os.O_RDONLY, CTX)).fh
-        try:
-            return bytes(await self.fs.read(fh, 0, 1 << 20))
-        finally:
-            await self.fs.release(fh)
-
-    async def rename(self, src: str, dst: str) -> None:
-        sp, _, sn = src.rpartition("/")
-        dp, _, dn = dst.rpartition("/")
-        await self.fs.rename(await self.resolve(sp), sn.encode(), await self.resolve(dp),
-                             dn.encode(), 0, CTX)
-
-    async def unlink(self, path: str) -> None:
-        parent, _, name = path.rpartition("/")
-        await self.fs.unlink(await self.resolve(parent), name.encode(), CTX)
 
 
 @pytest.mark.parametrize("durability", ["close", "async"])

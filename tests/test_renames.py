@@ -58,7 +58,7 @@ def _files(s3: MemoryS3) -> dict[str, bytes]:
 @contextlib.asynccontextmanager
 async def _async_mount(tmp_path: Path, s3: MemoryS3, **options: Any):
     """(mount, kernel): an in-process async-mode mount over `s3`, until the block ends."""
-    from test_lookups import Kernel
+    from inprocess import Kernel
     config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
                     cache_dir=str(tmp_path / "cache"), durability="async", upload_timeout=10,
                     **options)
@@ -247,7 +247,7 @@ async def test_an_async_directory_rename_returns_at_once_and_reads_the_objects_w
     """Async mode: a directory rename is an entry of the log. The call returns before S3 has
     moved anything; meanwhile the new names read, list and stat from where S3 still holds
     the objects, the old names are gone, and a second rename of the new name chains."""
-    from test_lookups import Kernel
+    from inprocess import Kernel
     s3 = MemoryS3()
     config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
                     cache_dir=str(tmp_path / "cache"), durability="async", upload_timeout=10)
