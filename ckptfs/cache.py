@@ -189,11 +189,13 @@ class ObjectCache:
             return False
         return True
 
-    def rekey(self, old_key: str, old_etag: str, new_key: str, new_etag: str) -> None:
-        """A renamed object keeps its cached bytes under its new name."""
+    def rekey(self, old_key: str, old_etag: str, new_key: str, new_etag: str,
+              keep: str | None = None) -> None:
+        """A renamed object keeps its cached bytes under its new name; what was cached under
+        that name goes, but the version `keep` (an ETag: a handle still reads it)."""
         old = self._name(old_key, old_etag, "all")
         size = self._lru.get(old)
-        self.drop_key(new_key)
+        self.drop_key(new_key, keep)
         if size is None:
             self.drop_key(old_key)
             return
@@ -206,9 +208,18 @@ class ObjectCache:
         self._add(new, size)
         self.drop_key(old_key)
 
-    def drop_key(self, key: str) -> None:
+    def drop_key(self, key: str, keep: str | None = None) -> None:
+        """Every cached version of `key`, but the one with ETag `keep`."""
+        kept = _h(keep, 16) if keep is not None else None
         for name in list(self._by_key.get(_h(key, 32), ())):
-            self._remove(name)
+            if name.split("-")[1] != kept:
+                self._remove(name)
+
+    def drop_version(self, key: str, etag: str) -> None:
+        eh = _h(etag, 16)
+        for name in list(self._by_key.get(_h(key, 32), ())):
+            if name.split("-")[1] == eh:
+                self._remove(name)
 
     def make_room(self, free: int) -> int:
         """Evict least recently used entries until the cache disk has `free` bytes free (or

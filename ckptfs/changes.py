@@ -99,6 +99,27 @@ class LocalCopies:
     def __init__(self, cache: ObjectCache, table: InodeTable) -> None:
         self.cache = cache
         self.table = table
+        # Files gone from their names (unlinked, or replaced by a rename) that handles still
+        # read: inode -> the version in the cache they read, dropped at the last release.
+        self._read_while_gone: dict[int, tuple[str, str]] = {}
+
+    def gone(self, inode: Inode, key: str) -> None:
+        """The file's name is gone (unlink): its cached bytes go too, but those of the
+        version an open handle reads, which go at its last release: a file stays readable
+        through an open descriptor after its unlink, as POSIX has it."""
+        self.replaced(inode, key)
+        self.cache.drop_key(key, keep=inode.etag if inode.open_handles > 0 else None)
+
+    def replaced(self, inode: Inode, key: str) -> None:
+        """Another file took the name of `inode` (a rename), whose handles still read it."""
+        if inode.open_handles > 0 and inode.etag is not None:
+            self._read_while_gone[inode.ino] = (key, inode.etag)
+
+    def closed(self, inode: Inode) -> None:
+        """The last handle of a file whose name is gone was released."""
+        version = self._read_while_gone.pop(inode.ino, None)
+        if version is not None:
+            self.cache.drop_version(*version)
 
     def keep(self, inode: Inode) -> None:
         staged = inode.staged

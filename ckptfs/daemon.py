@@ -247,7 +247,8 @@ async def build_mount(config: Config, s3: S3, nursery: trio.Nursery,
     reader = ChunkReader(s3, cache, memory_budget=config.read_memory, nursery=nursery)
     files = OpenFiles(s3=s3, table=table, ns=ns, staging=staging, cache=cache, uploader=uploader,
                       records=records, reader=reader, changes=changes, local=local)
-    tree = Tree(s3=s3, table=table, ns=ns, uploader=uploader, records=records, changes=changes)
+    tree = Tree(s3=s3, table=table, ns=ns, uploader=uploader, records=records, changes=changes,
+                local=local)
     passthrough = Passthrough(config.passthrough, config.cache_dir, uploader, files, nursery)
     fs = CheckpointFS(table=table, ns=ns, files=files, tree=tree, staging_dir=staging.dir,
                       read_only=config.read_only, metadata_ttl=config.metadata_ttl,

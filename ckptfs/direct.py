@@ -123,7 +123,7 @@ class DirectChanges(ChangesBase):
         if node.etag is not None:
             await self.s3.delete(self.table.key_of(node))
         node.saved()
-        self.cache.drop_key(self.table.key_of(node))
+        self.local.gone(node, self.table.key_of(node))
         self.table.detach(node)
 
     async def remove_dir(self, node: Inode, effect: Callable[[], None]) -> None:

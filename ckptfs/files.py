@@ -258,6 +258,7 @@ class OpenFiles:
         if node.unlinked:
             await self.uploader.abort(node.upload)
             node.drop_staged()
+            self.local.closed(node)
         elif node.write_error:
             await self._discard_failed_write(node)
         elif node.staged is not None and not node.is_local:

@@ -179,7 +179,7 @@ class LoggedChanges(ChangesBase):
 
         def effect() -> None:
             node.saved()
-            self.cache.drop_key(self.table.object_key(node))
+            self.local.gone(node, self.table.object_key(node))
             self.table.detach(node)
 
         if node.has_object:

@@ -274,8 +274,9 @@ async def _rename_object(renames: Renames, table: InodeTable, cache: ObjectCache
     if src.etag is not None:
         old_etag = src.etag
         src.moved(await renames.move_object(old_key, new_key, src.size, old_etag))
-        if not src.is_local:
-            cache.rekey(old_key, old_etag, new_key, src.etag)
+        if not src.is_local:  # (a version of the name a handle still reads stays, for it)
+            reading = dst.etag if dst is not None and dst.open_handles > 0 else None
+            cache.rekey(old_key, old_etag, new_key, src.etag, keep=reading)
     elif dst is not None and dst.etag is not None:
         # The new name must not keep showing the replaced object until src's upload.
         await renames.s3.delete(new_key)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import time
 
-from ckptfs.changes import Changes
+from ckptfs.changes import Changes, LocalCopies
 from ckptfs.errors import Refused
 from ckptfs.inodes import Inode, InodeTable
 from ckptfs.namespace import Namespace
@@ -21,13 +21,14 @@ from ckptfs.uploads import UploadRecords
 
 class Tree:
     def __init__(self, *, s3: S3, table: InodeTable, ns: Namespace, uploader: Uploader,
-                 records: UploadRecords, changes: Changes) -> None:
+                 records: UploadRecords, changes: Changes, local: LocalCopies) -> None:
         self.s3 = s3
         self.table = table
         self.ns = ns
         self.uploader = uploader
         self.records = records  # the one writer of journal records
         self.changes = changes
+        self.local = local  # uploaded bytes nobody has open (changes.py)
 
     async def make_entry(self, parent: Inode, name: str, mode: int, uid: int, gid: int,
                          body: bytes, rdev: int = 0) -> Inode:
@@ -102,6 +103,7 @@ class Tree:
             """The mount's side of a rename: `src` takes the name, a replaced `dst` is gone."""
             if dst is not None:
                 dst.saved()
+                self.local.replaced(dst, self.table.object_key(dst))
                 self.table.detach(dst)
                 if dst.open_handles == 0:
                     dst.drop_staged()
