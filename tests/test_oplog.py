@@ -168,30 +168,6 @@ async def test_a_put_that_waited_for_its_turn_gets_a_fresh_deadline(tmp_path: Pa
     assert b.attempts == 0 and s3.visible == [("put", "a"), ("put", "b")]
 
 
-async def test_recovery_goes_on_past_a_set_aside_put_after_another_record_failed(tmp_path: Path) -> None:
-    from ckptfs.recovery import Recovery
-
-    s3 = FakeS3()
-    journal, staging = Journal(str(tmp_path)), StagingArea(str(tmp_path))
-    s3.objects["gone"] = b"old"
-    # A close-mode record S3 will not take, a log put whose staged file is lost, a log delete.
-    staged = staging.new_file()
-    staged.pwrite(b"x", 0)
-    name = os.path.basename(staged.path)
-    s3.fail_for["close-mode"] = 10**6
-    journal.write(Record(name, "close-mode", True, 1))
-    journal.write(Record("lost-1", "lost", True, 5, seq=1))
-    journal.write(Record("op-000000000002", "gone", True, op="delete", seq=2))
-    async with trio.open_nursery() as nursery:
-        uploader = Uploader(s3, PartPlan(5 * MiB), 4, journal=journal, upload_timeout=0.3,  # type: ignore[arg-type]
-                            nursery=nursery)
-        report = await Recovery(journal, staging.dir, str(tmp_path / "preserved"), s3,  # type: ignore[arg-type]
-                                uploader).run("", 86400)
-    assert [k for k, _ in report.failed] == ["close-mode"]
-    assert [k for k, _ in report.set_aside] == ["lost-1"]
-    assert "gone" not in s3.objects and report.replayed == 1  # the delete was still applied
-
-
 def gate_creates(s3: FakeS3) -> trio.Event:
     """Hold every CreateMultipartUpload (and, through part_gate, every part) until set."""
     created = trio.Event()
