@@ -1,7 +1,7 @@
 """The uploader (stream, resend, complete, verify), against the in-memory S3 of fakes3.py
-with injected faults (mount-time recovery: test_recovery.py). A fake is right here: these are the retry
-and fault paths a real server cannot be made to show on cue. The same paths run end to end
-against SeaweedFS in test_faults.py, test_streaming.py and test_crash.py.
+with injected faults (mount-time recovery: test_recovery.py). A fake is right here: these
+are the retry and fault paths a real server cannot be made to show on cue. The same paths
+run end to end against SeaweedFS in test_faults.py, test_streaming.py and test_crash.py.
 """
 
 from __future__ import annotations
