@@ -27,15 +27,16 @@ log = logging.getLogger(__name__)
 
 
 class Changes(Protocol):
-    # True in async mode: close and fsync make the bytes durable on the cache disk (and in
-    # the journal) and S3 follows; False in close mode: they return once S3 has them.
-    stages_first: bool
     backlog: Backlog
 
     async def publish(self, node: Inode, *, fsynced: bool = False, background: bool = True) -> None:
         """The file's staged bytes as they are now become its object: close mode uploads them
         (UploadError if that fails; with `background`, it then keeps retrying), async mode
         appends their put to the log."""
+
+    async def fsync(self, node: Inode) -> None:
+        """fsync(2) of a file: close mode uploads its bytes now; async mode makes them durable
+        on the cache disk, and its put follows in the log, in order."""
 
     async def metadata(self, node: Inode) -> None:
         """chmod/chown/utime of a file or directory whose bytes are not being written."""

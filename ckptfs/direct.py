@@ -39,13 +39,15 @@ class DirectChanges(ChangesBase):
         super().__init__(s3=s3, table=table, uploader=uploader, records=records, cache=cache,
                          staging=staging, local=local)
         self.renames = renames
-        self.stages_first = False
         self.queue = UploadQueue(self._commit_in_background, table.path_of,
                                  uploader.policy.changes, nursery)
         self.backlog = self.queue  # what S3 does not have yet: files whose close failed
         self._committing = 0  # uploads of closed files in progress
 
     # ----- files ------------------------------------------------------------
+
+    async def fsync(self, node: Inode) -> None:
+        await self.publish(node, fsynced=True)
 
     async def publish(self, node: Inode, *, fsynced: bool = False, background: bool = True) -> None:
         try:

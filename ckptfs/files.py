@@ -241,13 +241,7 @@ class OpenFiles:
         await self.changes.publish(node)
 
     async def fsync(self, node: Inode) -> None:
-        if self.changes.stages_first:
-            # Async mode: fsync makes the staged bytes durable here; S3 follows in order.
-            if node.staged is None:
-                return
-            await trio.to_thread.run_sync(os.fsync, node.staged.fd)
-            node.torn_by(0)
-        await self.changes.publish(node, fsynced=True)
+        await self.changes.fsync(node)
 
     async def release(self, node: Inode, writable: bool) -> None:
         node.released(writable)

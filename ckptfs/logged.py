@@ -40,9 +40,17 @@ class LoggedChanges(ChangesBase):
                          staging=staging, local=local)
         self.log = log
         self.backlog = log  # what S3 does not have yet: the log's entries
-        self.stages_first = True
 
     # ----- files ------------------------------------------------------------
+
+    async def fsync(self, node: Inode) -> None:
+        """The staged bytes become durable here (the put appended below then is too, at a
+        power loss); S3 gets them in their turn."""
+        if node.staged is None:
+            return
+        await trio.to_thread.run_sync(os.fsync, node.staged.fd)
+        node.torn_by(0)
+        await self.publish(node, fsynced=True)
 
     async def publish(self, node: Inode, *, fsynced: bool = False, background: bool = True) -> None:
         """Append the put of the file's bytes as they are now; S3 gets them in their turn."""
