@@ -1,4 +1,5 @@
-"""Domain exceptions. Only fs.py turns them into errno values."""
+"""Domain exceptions. Only the FUSE request boundary (handles.guarded) turns them into errno
+values."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Background uploads for `--durability async`: closed files go up while the writer moves on.
+"""Close mode's background retries: a file whose close() failed to upload goes up later.
 
 A file queued here is retried with backoff until it is in S3 or unlinked; `wait()`
 (behind `ckptfs sync` and the drain at unmount) returns when every file under a
