@@ -25,6 +25,7 @@ import time
 import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ckptfs.bucket import Bucket  # noqa: E402
 from ckptfs.config import Config  # noqa: E402
 from ckptfs.parts import PartPlan  # noqa: E402
 from ckptfs.retry import RetryPolicy  # noqa: E402
@@ -40,8 +41,8 @@ async def main(endpoint: str, bucket: str, prefix: str, paths: list[str]) -> Non
     sendfile = SendfileSender.applies(endpoint)
     if sendfile:
         SendfileSender(endpoint, timeout=60).install(boto)
-    s3 = S3Client(boto, bucket, trio.CapacityLimiter(config.concurrency + 8), RetryPolicy(),
-                  sendfile=sendfile)
+    s3 = Bucket(S3Client(boto, bucket, trio.CapacityLimiter(config.concurrency + 8),
+                         sendfile=sendfile), RetryPolicy())
     async with trio.open_nursery() as nursery:
         uploader = Uploader(s3, PartPlan(config.part_size), config.concurrency, nursery=nursery)
         print("ready", flush=True)

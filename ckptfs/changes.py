@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from ckptfs.cache import ObjectCache
 from ckptfs.inodes import Inode, InodeTable
-from ckptfs.s3types import S3
+from ckptfs.bucket import Bucket
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import UploadRecords
@@ -82,7 +82,7 @@ class Backlog(Protocol):
 class ChangesBase:
     """What both modes' Changes work with."""
 
-    def __init__(self, *, s3: S3, table: InodeTable, uploader: Uploader, records: UploadRecords,
+    def __init__(self, *, s3: Bucket, table: InodeTable, uploader: Uploader, records: UploadRecords,
                  cache: ObjectCache, staging: StagingArea, local: LocalCopies) -> None:
         self.s3 = s3
         self.table = table

@@ -45,7 +45,7 @@ from ckptfs.parts import PartPlan
 from ckptfs.passthrough import Passthrough, PassthroughError
 from ckptfs.prefetch import ChunkReader
 from ckptfs.s3 import S3Client, make_boto_client, preflight
-from ckptfs.s3types import S3
+from ckptfs.bucket import Bucket
 from ckptfs.spot import watch as watch_spot
 from ckptfs.staging import StagingArea
 from ckptfs.tree import Tree
@@ -203,14 +203,14 @@ async def _build(config: Config, nursery: trio.Nursery) -> Mount:
     sendfile = SendfileSender.applies(config.endpoint_url)
     if sendfile:  # plain HTTP: the kernel sends staged bytes itself
         SendfileSender(config.endpoint_url or "", timeout=60).install(boto)
-    s3 = S3Client(boto, config.bucket, limiter, RetryPolicy(), timeout=config.upload_timeout,
-                  bodies=bodies, sendfile=sendfile)
+    s3 = Bucket(S3Client(boto, config.bucket, limiter, bodies=bodies, sendfile=sendfile),
+                RetryPolicy(), timeout=config.upload_timeout)
     return await build_mount(config, s3, nursery, (bodies,))
 
 
-async def build_mount(config: Config, s3: S3, nursery: trio.Nursery,
+async def build_mount(config: Config, s3: Bucket, nursery: trio.Nursery,
                       counted: tuple[Any, ...] = ()) -> Mount:
-    """The mount's components over `s3` (the S3 client, or a fake in unit tests), after the
+    """The mount's components over `s3` (the S3 client's, or a fake's in unit tests), after the
     recovery of what an earlier daemon journaled. `counted`: more components for stats."""
     staging = StagingArea(config.cache_dir)
     journal = Journal(config.cache_dir)

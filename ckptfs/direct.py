@@ -24,7 +24,7 @@ from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
 from ckptfs.metadata import object_metadata
 from ckptfs.queue import UploadQueue
 from ckptfs.renames import Renames, rename_in_s3
-from ckptfs.s3types import S3
+from ckptfs.bucket import Bucket
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import UploadRecords
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class DirectChanges(ChangesBase):
-    def __init__(self, *, s3: S3, table: InodeTable, uploader: Uploader, records: UploadRecords,
+    def __init__(self, *, s3: Bucket, table: InodeTable, uploader: Uploader, records: UploadRecords,
                  cache: ObjectCache, staging: StagingArea, local: LocalCopies,
                  nursery: trio.Nursery, renames: Renames) -> None:
         super().__init__(s3=s3, table=table, uploader=uploader, records=records, cache=cache,

@@ -34,7 +34,7 @@ from ckptfs.namespace import Namespace
 from ckptfs.opener import Opener, killing_signal
 from ckptfs.handles import ReadStream
 from ckptfs.prefetch import ChunkReader
-from ckptfs.s3types import S3
+from ckptfs.bucket import Bucket
 from ckptfs.staging import StagedFile, StagingArea, copy_file
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload, UploadRecords
@@ -46,7 +46,7 @@ _TORN_KEPT = 100  # status shows the latest hundred torn writes
 
 
 class OpenFiles:
-    def __init__(self, *, s3: S3, table: InodeTable, ns: Namespace, staging: StagingArea,
+    def __init__(self, *, s3: Bucket, table: InodeTable, ns: Namespace, staging: StagingArea,
                  cache: ObjectCache, uploader: Uploader, records: UploadRecords,
                  reader: ChunkReader, changes: Changes, local: LocalCopies) -> None:
         self.s3 = s3

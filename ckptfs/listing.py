@@ -14,7 +14,8 @@ import trio
 
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import Inode, InodeTable
-from ckptfs.s3types import MARKED_MAX, S3, ListPage, ObjectInfo, is_marked
+from ckptfs.bucket import Bucket
+from ckptfs.s3types import MARKED_MAX, ListPage, ObjectInfo, is_marked
 
 NAME_MAX = 255
 # A listing HEADs the objects it has not seen with metadata whose type may differ from a plain
@@ -89,7 +90,7 @@ def page_entries(page: ListPage, physical: str, dir_key: str,
     return seen, last
 
 
-async def read_listing(s3: S3, table: InodeTable, directory: Inode, dir_key: str, physical: str,
+async def read_listing(s3: Bucket, table: InodeTable, directory: Inode, dir_key: str, physical: str,
                        masked: Callable[[str], bool], skip: Callable[[str], bool],
                        warn: Callable[[str, str], None]) -> Listing:
     """Every entry of the directory S3 holds at `physical` (the mount calls it `dir_key`);
@@ -125,7 +126,7 @@ async def read_listing(s3: S3, table: InodeTable, directory: Inode, dir_key: str
     return out
 
 
-async def _head_small(s3: S3, table: InodeTable, dir_key: str, directory: Inode,
+async def _head_small(s3: Bucket, table: InodeTable, dir_key: str, directory: Inode,
                       files: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
     """HEAD the objects whose type a LIST entry cannot tell (see SMALL_HEADS)."""
     def known(name: str, info: ObjectInfo) -> bool:  # or owned by the mount: not asked

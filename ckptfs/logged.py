@@ -26,14 +26,14 @@ from ckptfs.journal import Record
 from ckptfs.metadata import object_metadata
 from ckptfs.oplog import Entry, OrderedLog
 from ckptfs.renames import files_under, locked
-from ckptfs.s3types import S3
+from ckptfs.bucket import Bucket
 from ckptfs.staging import StagedFile, StagingArea, copy_file
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload, UploadRecords
 
 
 class LoggedChanges(ChangesBase):
-    def __init__(self, *, log: OrderedLog, s3: S3, table: InodeTable, uploader: Uploader,
+    def __init__(self, *, log: OrderedLog, s3: Bucket, table: InodeTable, uploader: Uploader,
                  records: UploadRecords, cache: ObjectCache, staging: StagingArea,
                  local: LocalCopies) -> None:
         super().__init__(s3=s3, table=table, uploader=uploader, records=records, cache=cache,

@@ -23,7 +23,8 @@ from ckptfs.masks import Masks, no_masks
 from ckptfs.metadata import parse_stamp
 from ckptfs.listing import (SYMLINK_MAX, Listing, is_directory_object, page_entries, read_listing,
                             sort_key)
-from ckptfs.s3types import S3, ListPage, ObjectInfo
+from ckptfs.bucket import Bucket
+from ckptfs.s3types import ListPage, ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _kind_changed(child: Inode, info: ObjectInfo) -> bool:
 
 
 class Namespace:
-    def __init__(self, s3: S3, table: InodeTable, uid: int, gid: int, ttl: float,
+    def __init__(self, s3: Bucket, table: InodeTable, uid: int, gid: int, ttl: float,
                  masks: Masks | None = None) -> None:
         self.s3 = s3
         # Keys (and "dir/" prefixes) S3 still shows but the mount removed: deletes and renames

@@ -48,7 +48,7 @@ from ckptfs.errors import LocalWriteError, S3Error
 from ckptfs.handles import ReadStream
 from ckptfs.localread import ALIGN, LocalView, store_file
 from ckptfs.parts import MiB
-from ckptfs.s3types import S3
+from ckptfs.bucket import Bucket
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class _Chunk:
 
 
 class ChunkReader:
-    def __init__(self, s3: S3, cache: ObjectCache | None = None, chunk_size: int = 8 * MiB,
+    def __init__(self, s3: Bucket, cache: ObjectCache | None = None, chunk_size: int = 8 * MiB,
                  memory_budget: int = 48 * MiB, max_window: int = 16, get_chunks: int = 4, *,
                  nursery: trio.Nursery, into_files: bool = True) -> None:
         assert chunk_size % ALIGN == 0

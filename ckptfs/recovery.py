@@ -29,7 +29,7 @@ from ckptfs.journal import Journal, Record
 from ckptfs.oplog import apply_op
 from ckptfs.renames import INTENTS, Renames
 from ckptfs.parts import PartPlan
-from ckptfs.s3types import S3
+from ckptfs.bucket import Bucket
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload, PartRecord, without_times
 
@@ -75,7 +75,7 @@ def _digest(fd: int, start: int, end: int) -> tuple[int, str]:
 
 
 class Recovery:
-    def __init__(self, journal: Journal, staging_dir: str, preserved_dir: str, s3: S3,
+    def __init__(self, journal: Journal, staging_dir: str, preserved_dir: str, s3: Bucket,
                  uploader: Uploader) -> None:
         self.journal = journal
         self.staging_dir = staging_dir

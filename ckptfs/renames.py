@@ -39,7 +39,8 @@ from ckptfs.errors import CkptfsError, NoSuchKey, raise_first_error
 from ckptfs.inodes import Inode, InodeTable
 from ckptfs.metadata import object_metadata
 from ckptfs.namespace import RESERVED_NAME
-from ckptfs.s3types import S3, ObjectInfo
+from ckptfs.bucket import Bucket
+from ckptfs.s3types import ObjectInfo
 from ckptfs.uploads import UploadRecords
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ COPIES_AT_ONCE = 32
 class Renames:
     """Moves objects in S3 under an intent (module docstring); completes interrupted ones."""
 
-    def __init__(self, s3: S3, prefix: str) -> None:
+    def __init__(self, s3: Bucket, prefix: str) -> None:
         self.s3 = s3
         self.prefix = prefix
 

@@ -1,22 +1,23 @@
-"""The S3 seam: what the components ask of S3, and the answers.
+"""The S3 seam: the primitives an implementation of S3 provides, and their answers.
 
-`S3` is the protocol the components are written against. s3.py implements it with boto3;
-tests/fakes3.py implements it in memory (with injectable faults) for unit tests. Every
-implementation retries transient faults itself, by the one policy of retry.py, until the
-call's `deadline` (trio time; by default the client's own timeout from now).
+`S3` is the protocol of primitives: one attempt of one S3 request each (or of one listing's
+pages), no retries, no helpers. s3.py implements it with boto3; tests/fakes3.py implements it
+in memory, and wraps any implementation in injectable faults. The components never call an
+implementation directly: they call bucket.Bucket, which retries every primitive by the one
+policy of retry.py and writes the helpers (whole listings, a marked put, a large copy, a
+quiet abort) once over the primitives.
 """
 
 from __future__ import annotations
 
 import re
 import stat
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
 
-from ckptfs.retry import RetryPolicy
 
 # A symlink or special file (fifo, socket, device) is a small object whose kind only its
 # metadata tells, and a LIST entry carries no metadata. Written as a multipart upload of one
@@ -58,63 +59,54 @@ class ListPage:
 
 
 class S3(Protocol):
-    limiter: trio.CapacityLimiter  # worker threads of requests; readers share it
-    policy: RetryPolicy
+    """One attempt of each request. A transient fault raises S3Error with `retryable`."""
 
-    async def head(self, key: str, checksum: bool = False,
-                   deadline: float | None = None) -> ObjectInfo: ...
+    limiter: trio.CapacityLimiter  # worker threads of requests; readers share it
+
+    async def head(self, key: str, checksum: bool = False) -> ObjectInfo: ...
 
     async def list_page(self, prefix: str, token: str | None, delimiter: str = "/",
                         max_keys: int = 1000,
                         start_after: str | None = None) -> tuple[ListPage, str | None]: ...
 
-    def list_pages(self, prefix: str, delimiter: str = "/") -> AsyncIterator[ListPage]: ...
-
-    async def list_keys(self, prefix: str) -> list[ObjectInfo]: ...
-
-    async def has_children(self, prefix: str) -> bool: ...
-
-    async def get_range(self, key: str, start: int, end: int, etag: str | None = None) -> bytes: ...
-
     async def get_ranges_into(self, key: str, start: int, outs: list[memoryview],
                               etag: str | None = None,
-                              filled: Callable[[int], None] | None = None) -> None: ...
+                              filled: Callable[[int], None] | None = None) -> None:
+        """One ranged GET from `start` filling the buffers `outs` in order; `filled(i)` (in
+        any thread) once outs[i] is full. With `etag`, fail if the object changed."""
 
     async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
                                   etag: str | None = None,
-                                  filled: Callable[[int], None] | None = None) -> int: ...
-
-    async def download_to(self, key: str, fd: int, size: int, chunk: int,
-                          etag: str | None = None) -> None: ...
-
-    async def put(self, key: str, body: bytes, metadata: dict[str, str],
-                  deadline: float | None = None) -> str: ...
+                                  filled: Callable[[int], None] | None = None) -> int:
+        """As get_ranges_into, into the files `targets` ((fd, length), each from its offset
+        0); returns the bytes the kernel spliced (0 where it did not)."""
 
     async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
-                       deadline: float | None = None, crc: int | None = None,
-                       reread: bool = False) -> tuple[str, int]: ...
+                       crc: int | None = None, reread: bool = False) -> tuple[str, int]:
+        """PutObject of the first `size` bytes of `fd` with their CRC32 (`crc`, if known);
+        `reread`: the bytes are in the page cache. Returns (ETag, CRC32)."""
 
-    async def create_multipart(self, key: str, metadata: dict[str, str], checksum: bool = True,
-                               deadline: float | None = None) -> str: ...
+    async def create_multipart(self, key: str, metadata: dict[str, str],
+                               checksum: bool = True) -> str: ...
 
     async def upload_part(self, key: str, upload_id: str, number: int, fd: int, start: int,
-                          size: int, deadline: float | None = None,
-                          crc: int | None = None, reread: bool = False) -> tuple[str, int]: ...
+                          size: int, crc: int | None = None,
+                          reread: bool = False) -> tuple[str, int]: ...
+
+    async def copy_part(self, key: str, upload_id: str, number: int, src: str,
+                        start: int, end: int) -> str:
+        """UploadPartCopy of bytes [start, end) of `src`; the part's ETag."""
 
     async def complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]],
-                                 crc: int | None = None, deadline: float | None = None) -> str: ...
+                                 crc: int | None = None) -> str: ...
 
     async def abort_multipart(self, key: str, upload_id: str) -> None: ...
-
-    async def abort_quietly(self, key: str, upload_id: str) -> bool: ...
 
     async def list_parts(self, key: str, upload_id: str) -> dict[int, tuple[int, str]]: ...
 
     async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]: ...
 
-    async def copy(self, src: str, dst: str, size: int, metadata: dict[str, str] | None = None,
-                   deadline: float | None = None, etag: str | None = None) -> str: ...
-
-    async def delete(self, key: str, deadline: float | None = None) -> None: ...
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
+        """CopyObject (at most 5 GiB); `metadata` replaces the source's when given."""
 
     async def delete_many(self, keys: list[str]) -> None: ...

@@ -14,13 +14,13 @@ from ckptfs.changes import Changes, LocalCopies
 from ckptfs.errors import Refused
 from ckptfs.inodes import Inode, InodeTable
 from ckptfs.namespace import Namespace
-from ckptfs.s3types import S3
+from ckptfs.bucket import Bucket
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import UploadRecords
 
 
 class Tree:
-    def __init__(self, *, s3: S3, table: InodeTable, ns: Namespace, uploader: Uploader,
+    def __init__(self, *, s3: Bucket, table: InodeTable, ns: Namespace, uploader: Uploader,
                  records: UploadRecords, changes: Changes, local: LocalCopies) -> None:
         self.s3 = s3
         self.table = table

@@ -29,7 +29,7 @@ from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
 from ckptfs.journal import Journal
 from ckptfs.parts import PartPlan, PartRange
 from ckptfs.retry import RetryPolicy
-from ckptfs.s3types import S3
+from ckptfs.bucket import Bucket
 from ckptfs.uploads import FileUpload, PartRecord, UploadRecords, UploadResult, without_times
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
 
 
 class Uploader:
-    def __init__(self, s3: S3, plan: PartPlan, concurrency: int,
+    def __init__(self, s3: Bucket, plan: PartPlan, concurrency: int,
                  stream_while_writing: bool = True, journal: Journal | None = None,
                  upload_timeout: float = 120.0, policy: RetryPolicy | None = None, *,
                  nursery: trio.Nursery) -> None:

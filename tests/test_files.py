@@ -20,7 +20,7 @@ from ckptfs.config import Config
 from ckptfs.daemon import Mount, build_mount
 from ckptfs.inodes import ROOT_INODE, Inode
 from ckptfs.listing import SYMLINK_MAX
-from fakes3 import MemoryS3, hold
+from fakes3 import MemoryS3
 
 
 @asynccontextmanager
@@ -35,7 +35,7 @@ async def mounted(tmp_path: Path, s3: MemoryS3, durability: str) -> AsyncIterato
 def gate_puts(s3: MemoryS3) -> trio.Event:
     """Hold every PutObject until the event is set."""
     go = trio.Event()
-    hold(s3, "put", go)
+    s3.faults.hold("PUT", go)
     return go
 
 
@@ -93,9 +93,9 @@ async def test_two_opens_for_writing_at_once_share_one_staged_copy(tmp_path: Pat
     """Two writers open a file S3 has at the same time: both wait for its download, and then
     write into the same staged copy (never each into their own, one of them lost)."""
     s3 = MemoryS3()
-    s3._store("p/f", b"a" * 100, {}, "put", '"e1"')
+    s3.store._store("p/f", b"a" * 100, {}, "put", '"e1"')
     fetched = trio.Event()
-    hold(s3, "download_to", fetched)
+    s3.faults.hold("GET", fetched)
     async with mounted(tmp_path, s3, "close") as mount:
         node = await mount.fs.ns.lookup(mount.fs.table[ROOT_INODE], "f")
         assert node is not None and node.size == 100
@@ -120,7 +120,7 @@ async def test_an_answer_from_s3_never_overrules_a_write_made_while_it_was_on_it
     longer. The answer (the old size) predates the write: it must not shrink the file, or
     close would upload only the old size's bytes."""
     s3 = MemoryS3()
-    s3._store("p/f", b"a" * 100, {}, "put", '"e1"')
+    s3.store._store("p/f", b"a" * 100, {}, "put", '"e1"')
     async with mounted(tmp_path, s3, "close") as mount:
         root = mount.fs.table[ROOT_INODE]
         node = await mount.fs.ns.lookup(root, "f")
@@ -155,13 +155,13 @@ async def test_a_stat_answered_by_s3_never_shrinks_a_file_written_meanwhile(tmp_
     file and makes it longer. The old size must not replace the new one (close would then
     upload only the old size's bytes)."""
     s3 = MemoryS3()
-    s3._store("p/f", b"a" * 100, {}, "put", '"e1"')
+    s3.store._store("p/f", b"a" * 100, {}, "put", '"e1"')
     async with mounted(tmp_path, s3, "close") as mount:
         node = await mount.fs.ns.lookup(mount.fs.table[ROOT_INODE], "f")
         assert node is not None and node.size == 100
         node.validated_at = 0.0  # past the TTL: getattr asks S3
         answer = trio.Event()
-        hold(s3, "head", answer)
+        s3.faults.hold("HEAD", answer)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(mount.fs.getattr, node.ino, None)
             await trio.sleep(0.05)
@@ -181,7 +181,7 @@ async def test_an_answer_from_s3_never_shows_a_version_older_than_the_mount_just
     page); before it answers, the mount writes a new version and the log puts it. The
     answer names the old version: the name must go on showing the new one."""
     s3 = MemoryS3()
-    s3._store("p/f", b"a" * SYMLINK_MAX * 2, {}, "put", '"e1"')  # no HEAD for its kind
+    s3.store._store("p/f", b"a" * SYMLINK_MAX * 2, {}, "put", '"e1"')  # no HEAD for its kind
     async with mounted(tmp_path, s3, "async") as mount:
         root, ns = mount.fs.table[ROOT_INODE], mount.fs.ns
         if asked_by == "listing":

@@ -21,7 +21,6 @@ from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload
 from fakes3 import MemoryS3 as FakeS3
-from fakes3 import hold
 
 MiB = 1024 * 1024
 
@@ -49,7 +48,8 @@ async def put(log: OrderedLog, staging: StagingArea, key: str, data: bytes, fres
 
 async def test_a_small_marker_waits_for_the_big_file_before_it(tmp_path: Path) -> None:
     s3 = FakeS3()
-    s3.part_gate.clear()  # the big file's parts crawl
+    parts = trio.Event()
+    s3.faults.hold("UploadPart", parts)  # the big file's parts crawl
     async with trio.open_nursery() as nursery:
         log, staging, journal = make(tmp_path, s3, nursery)
         await put(log, staging, "ck/model.pt", os.urandom(11 * MiB))
@@ -60,7 +60,7 @@ async def test_a_small_marker_waits_for_the_big_file_before_it(tmp_path: Path) -
         await trio.sleep(0.3)
         assert s3.visible == []  # the marker was ready at once, and waits its turn
         assert log.masked("old/model.pt") and not log.masked("old/other.pt")
-        s3.part_gate.set()
+        parts.set()
         with trio.fail_after(10):
             await log.drain()
     assert s3.visible == [("complete", "ck/model.pt"), ("put", "ck/COMPLETE"),
@@ -70,7 +70,7 @@ async def test_a_small_marker_waits_for_the_big_file_before_it(tmp_path: Path) -
 
 async def test_a_failing_entry_holds_everything_after_it(tmp_path: Path) -> None:
     s3 = FakeS3()
-    s3.fail_puts = 10**6
+    s3.faults.fail("PUT", times=10**6)
     async with trio.open_nursery() as nursery:
         log, staging, journal = make(tmp_path, s3, nursery)
         await put(log, staging, "a", b"first")
@@ -79,7 +79,7 @@ async def test_a_failing_entry_holds_everything_after_it(tmp_path: Path) -> None
             failed = await log.wait()
         assert [p for p, _ in failed] == ["a"] and "SlowDown" in failed[0][1]
         assert s3.visible == []
-        s3.fail_puts = 0
+        s3.faults.heal("PUT")
         log.uploader.policy.hurry.now()
         with trio.fail_after(10):
             assert await log.wait() == []
@@ -88,7 +88,8 @@ async def test_a_failing_entry_holds_everything_after_it(tmp_path: Path) -> None
 
 async def test_a_rename_retargets_the_last_put_and_never_copies(tmp_path: Path) -> None:
     s3 = FakeS3()
-    s3.part_gate.clear()
+    parts = trio.Event()
+    s3.faults.hold("UploadPart", parts)
     moved = []
     async with trio.open_nursery() as nursery:
         log, staging, journal = make(tmp_path, s3, nursery)
@@ -98,7 +99,7 @@ async def test_a_rename_retargets_the_last_put_and_never_copies(tmp_path: Path) 
         assert await log.retarget(entry, "ck.pt", "ck.pt", lambda: moved.append(True))
         (rec,) = records(tmp_path)
         assert rec.key == "ck.pt" and rec.orphan_key == "ck.pt.tmp" and rec.seq == entry.seq
-        s3.part_gate.set()
+        parts.set()
         with trio.fail_after(10):
             await log.drain()
     assert moved == [True]
@@ -155,25 +156,26 @@ async def test_a_put_that_waited_for_its_turn_gets_a_fresh_deadline(tmp_path: Pa
     """Its first transient fault after a long wait is retried within the attempt, not
     turned into a failed attempt because the deadline passed while it waited."""
     s3 = FakeS3()
-    s3.fail_for["a"] = 10**6
+    s3.faults.fail("PUT", "a", times=10**6)
     async with trio.open_nursery() as nursery:
         log, staging, _ = make(tmp_path, s3, nursery)  # --upload-timeout 0.5 s
         await put(log, staging, "a", b"a")
         b = await put(log, staging, "b", b"b")
         await trio.sleep(1.0)  # b waits behind a for longer than the upload timeout
-        s3.fail_for.update(a=0, b=1)
+        s3.faults.heal("PUT", "a")
+        s3.faults.fail("PUT", "b", times=1)
         log.uploader.policy.hurry.now()
         with trio.fail_after(10):
             await log.drain()
     assert b.attempts == 0 and s3.visible == [("put", "a"), ("put", "b")]
 
 
-def gate_creates(s3: FakeS3) -> trio.Event:
-    """Hold every CreateMultipartUpload (and, through part_gate, every part) until set."""
-    created = trio.Event()
-    hold(s3, "create_multipart", created)
-    s3.part_gate.clear()
-    return created
+def gate_creates(s3: FakeS3) -> tuple[trio.Event, trio.Event]:
+    """Hold every CreateMultipartUpload until the first is set, every part until the second."""
+    created, parts = trio.Event(), trio.Event()
+    s3.faults.hold("CreateMultipartUpload", created)
+    s3.faults.hold("UploadPart", parts)
+    return created, parts
 
 
 async def streaming(tmp_path: Path, s3: FakeS3, nursery: trio.Nursery, key: str,
@@ -197,7 +199,7 @@ async def test_a_put_takes_over_the_upload_streamed_while_the_file_was_written(t
     multipart upload: its record names the upload (recovery resumes it), and the intent of a
     create still in flight carries over. No part is sent twice."""
     s3 = FakeS3()
-    created = gate_creates(s3)
+    created, parts = gate_creates(s3)
     data = os.urandom(11 * MiB)
     async with trio.open_nursery() as nursery:
         log, staged, up = await streaming(tmp_path, s3, nursery, "ck/model.pt", data)
@@ -215,7 +217,7 @@ async def test_a_put_takes_over_the_upload_streamed_while_the_file_was_written(t
                 await trio.sleep(0.01)
         [rec] = records(tmp_path)
         assert rec.seq == 1 and rec.closed and rec.upload_id == up.upload_id
-        s3.part_gate.set()
+        parts.set()
         with trio.fail_after(10):
             await log.drain()
     assert s3.objects["ck/model.pt"] == data
@@ -229,7 +231,7 @@ async def test_a_create_of_the_old_name_returning_after_the_put_never_replaces_i
     """Renamed while written, with the create of the old name in flight at close: when it
     returns, the entry's record stays (naming that upload as an orphan), and it is aborted."""
     s3 = FakeS3()
-    created = gate_creates(s3)
+    created, parts = gate_creates(s3)
     data = os.urandom(11 * MiB)
     async with trio.open_nursery() as nursery:
         log, staged, up = await streaming(tmp_path, s3, nursery, "ck/old.pt", data)
@@ -242,7 +244,7 @@ async def test_a_create_of_the_old_name_returning_after_the_put_never_replaces_i
                 await trio.sleep(0.01)
         [rec] = records(tmp_path)
         assert (rec.seq, rec.closed, rec.key, rec.orphan_key) == (1, True, "ck/new.pt", "ck/old.pt")
-        s3.part_gate.set()
+        parts.set()
         with trio.fail_after(10):
             await log.drain()
         assert records(tmp_path) == []

@@ -119,7 +119,7 @@ async def test_recovery_goes_on_past_a_set_aside_put_after_another_record_failed
     staged = staging.new_file()
     staged.pwrite(b"x", 0)
     name = os.path.basename(staged.path)
-    s3.fail_for["close-mode"] = 10**6
+    s3.faults.fail("PUT", "close-mode", times=10**6)
     journal.write(Record(name, "close-mode", True, 1))
     journal.write(Record("lost-1", "lost", True, 5, seq=1))
     journal.write(Record("op-000000000002", "gone", True, op="delete", seq=2))

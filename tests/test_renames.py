@@ -24,26 +24,10 @@ from ckptfs.renames import INTENTS, Renames
 from ckptfs.staging import StagingArea
 from ckptfs.uploader import Uploader
 from ckptfs.parts import PartPlan
-from fakes3 import MemoryS3, hold
+from fakes3 import Crash, MemoryS3
 
 FILES = {f"step.tmp/shard_{i}.pt": os.urandom(100 + i) for i in range(6)} | {
     "step.tmp/sub/extra.pt": b"nested", "step.tmp/": b"", "other.pt": b"not moved"}
-
-
-class Crash(BaseException):
-    """The daemon died: this request and every later one never reach S3."""
-
-
-class CrashingS3(MemoryS3):
-    def __init__(self, after: int) -> None:
-        super().__init__()
-        self.left = after
-
-    async def _request(self, op: str, key: str, deadline: Any, effect: Any, thread: bool = False) -> Any:
-        if self.left <= 0:
-            raise Crash(op)
-        self.left -= 1
-        return await super()._request(op, key, deadline, effect, thread)
 
 
 async def _seed(s3: MemoryS3) -> None:
@@ -85,16 +69,16 @@ async def test_a_directory_rename_interrupted_at_any_request_is_completed_or_nev
     total = None
     n = 0
     while total is None or n <= total:
-        s3 = CrashingS3(after=10**9)
+        s3 = MemoryS3()
         await _seed(s3)
         s3.requests.clear()
-        s3.left = n
+        s3.faults.crash_after(n)
         try:
             await Renames(s3, "p/").move_dir("p/step.tmp/", "p/step/", {"mode": "16877"})
             total = len(s3.requests)  # the uninterrupted rename's request count
         except (Crash, BaseExceptionGroup):
             pass
-        s3.left = 10**9
+        s3.faults.crash_after(None)
         intents_left = [k for k in s3.objects if k.startswith("p/" + INTENTS)]
         await Renames(s3, "p/").complete_interrupted()  # the next mount, before it is ready
         state = _whole(s3)
@@ -109,14 +93,14 @@ async def test_a_directory_rename_interrupted_at_any_request_is_completed_or_nev
 
 async def test_a_file_rename_interrupted_at_any_request_leaves_one_name() -> None:
     for n in range(8):
-        s3 = CrashingS3(after=10**9)
+        s3 = MemoryS3()
         etag = await s3.put("p/a.tmp", b"payload", {})
-        s3.left = n
+        s3.faults.crash_after(n)
         try:
             await Renames(s3, "p/").move_object("p/a.tmp", "p/a", 7, etag)
         except Crash:
             pass
-        s3.left = 10**9
+        s3.faults.crash_after(None)
         await Renames(s3, "p/").complete_interrupted()
         assert sorted(s3.objects) in (["p/a.tmp"], ["p/a"]), (n, sorted(s3.objects))
         assert set(s3.objects.values()) == {b"payload"}
@@ -164,7 +148,7 @@ async def test_a_rename_waits_for_an_upload_in_the_directory_to_finish(
         node = files.create(d, "model.pt", 0o644, 0, 0)
         await files.write(node, 0, b"weights")
         go = trio.Event()
-        hold(s3, "put", go)  # the close's PUT waits
+        s3.faults.hold("PUT", go)  # the close's PUT waits
         closed = trio.Event()
 
         async def close() -> None:
@@ -259,7 +243,7 @@ async def test_an_async_directory_rename_returns_at_once_and_reads_the_objects_w
         await kernel.write("step.tmp/applied.pt", b"in S3 already")
         await mount.changes.backlog.drain()
         go = trio.Event()
-        hold(s3, "put", go)  # the log stops at the next put: the ones below wait
+        s3.faults.hold("PUT", go)  # the log stops at the next put: the ones below wait
         await kernel.write("step.tmp/pending.pt", b"still in the log")
         with trio.fail_after(5):  # returns without waiting for S3
             await kernel.rename("step.tmp", "step")

@@ -1,7 +1,9 @@
 """One contract for every implementation of ckptfs's S3 seam (s3.S3Client and the fake).
 
-The same tests run against the in-process fake the unit tests use (tests/fakes3.MemoryS3),
-against the real client on SeaweedFS (the session's server: the mount tier's S3) and on
+The tests call what the components call: bucket.Bucket (retries and helpers) over an
+implementation of the primitives. The same tests run against the in-process fake the unit
+tests use (tests/fakes3.MemoryS3: a MemoryStore behind the fault wrapper), against the real
+client on SeaweedFS (the session's server: the mount tier's S3) and on
 moto's S3 server (a second, independent implementation that follows AWS's rules). A
 behaviour ckptfs relies on and one of them lacks fails here, not somewhere in a mount.
 
@@ -22,13 +24,14 @@ from typing import Any, NamedTuple
 import pytest
 import trio
 
+from ckptfs.bucket import Bucket
 from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.retry import RetryPolicy
 from ckptfs.s3 import S3Client, make_boto_client
-from ckptfs.s3types import S3
+from ckptfs.s3types import S3, is_marked
 from devtools.devserver import ACCESS_KEY, SECRET_KEY, DevServer, free_ports
-from fakes3 import MemoryS3
+from fakes3 import Faults, MemoryS3, MemoryStore
 
 MiB = 1 << 20
 MOTO_BUCKET = "ckptfs-contract"
@@ -59,7 +62,7 @@ def credentials(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Store(NamedTuple):
-    s3: Any  # an implementation of s3types.S3
+    s3: Any  # a bucket.Bucket over an implementation of s3types.S3
     prefix: str  # the test's own
     name: str  # "memory", "seaweedfs" or "moto"
 
@@ -77,7 +80,7 @@ def store(request: pytest.FixtureRequest, credentials: None) -> Store:
     else:
         endpoint, bucket = request.getfixturevalue("moto_endpoint"), MOTO_BUCKET
     boto = make_boto_client(endpoint, "us-east-1", None, pool=8)
-    return Store(S3Client(boto, bucket, trio.CapacityLimiter(8), RetryPolicy(), timeout=10),
+    return Store(Bucket(S3Client(boto, bucket, trio.CapacityLimiter(8)), RetryPolicy(), timeout=10),
                  prefix, request.param)
 
 
@@ -231,9 +234,24 @@ async def test_download_to_assembles_ranges(store, staged) -> None:
         assert os.pread(out.fileno(), len(data) + 1, 0) == data
 
 
+async def test_a_marked_object_stays_marked_when_copied(store) -> None:
+    """A symlink goes up as one part of a multipart upload; its copy too (UploadPartCopy),
+    so that a listing still tells it from a file by its ETag."""
+    s3, p, _ = store
+    etag = await s3.put(p + "link", b"target/of/link", {"mode": str(0o120777)})
+    assert is_marked(etag, 14)
+    copied = await s3.copy(p + "link", p + "moved", 14, etag=etag)
+    assert is_marked(copied, 14)
+    info = await s3.head(p + "moved")
+    assert info.metadata["mode"] == str(0o120777)
+    assert await s3.get_range(p + "moved", 0, 14) == b"target/of/link"
+
+
 def test_every_implementation_has_the_whole_seam() -> None:
+    """The seam is narrow (at most 14 primitives), and every implementation and the fault
+    wrapper have each of them."""
     methods = {n for n, v in vars(S3).items() if callable(v) and not n.startswith("_")}
-    assert "upload_part" in methods
-    for impl in (S3Client, MemoryS3):
+    assert "upload_part" in methods and len(methods) <= 14, sorted(methods)
+    for impl in (S3Client, MemoryStore, Faults):
         missing = sorted(n for n in methods if not callable(getattr(impl, n, None)))
         assert not missing, f"{impl.__name__} lacks {missing}"

@@ -21,6 +21,7 @@ import trio
 from conftest import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
 from faultproxy import FaultProxy
 
+from ckptfs.bucket import Bucket
 from ckptfs.checksum import b64_crc32
 from ckptfs.errors import LocalWriteError, S3Error, UploadError
 from ckptfs.retry import RetryPolicy
@@ -36,12 +37,12 @@ def credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
 
 
-def client(endpoint: str, timeout: float = 20) -> tuple[S3Client, SendfileSender]:
+def client(endpoint: str, timeout: float = 20) -> tuple[Bucket, SendfileSender]:
     boto = make_boto_client(endpoint, None, None, pool=8)
     sender = SendfileSender(endpoint, timeout=10)
     sender.install(boto)
-    return S3Client(boto, BUCKET, trio.CapacityLimiter(8), RetryPolicy(), timeout=timeout,
-                    sendfile=True), sender
+    return Bucket(S3Client(boto, BUCKET, trio.CapacityLimiter(8), sendfile=True), RetryPolicy(),
+                  timeout=timeout), sender
 
 
 def staged(data: bytes):
