@@ -237,7 +237,7 @@ class OpenFiles:
                 if node.writers <= 1:  # no other writer may still finish the file: now,
                     await self._discard_torn(node)  # before the dying process is gone
                 return
-            node.torn_by(0)
+            node.own_close()
         await self.changes.publish(node)
 
     async def fsync(self, node: Inode) -> None:
@@ -273,7 +273,6 @@ class OpenFiles:
             await self.uploader.abort(node.upload)
             await self.records.forget(node.upload)
             staged = node.discarded()
-            node.write_failed(0)
             if staged is not None and not staged.held:
                 staged.remove()
             if node.etag is not None:
@@ -288,7 +287,6 @@ class OpenFiles:
             await self.uploader.abort(node.upload)
             await self.records.forget(node.upload)
             staged = node.discarded()
-            node.torn_by(0)
             kept = "nothing staged"
             if staged is not None and not staged.held:
                 try:

@@ -7,6 +7,7 @@ is needed (`key_of`).
 
 from __future__ import annotations
 
+import enum
 import itertools
 import stat
 import time
@@ -20,6 +21,29 @@ from ckptfs.uploads import FileUpload
 
 ROOT_INODE = 1
 SPECIAL_TYPES = frozenset({stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK})
+
+
+class Write(enum.Enum):
+    """Where an inode's staged bytes stand against S3 (`Inode.write`, `Inode.write_cause`).
+
+    CLEAN   S3 has (or the log will give it) the staged bytes, or there are none.
+    DIRTY   written since: S3 must get them again (changed -> DIRTY; saved -> CLEAN).
+    TORN    a writer was killed before its close (cause: the signal): the bytes are never
+            published; set aside at the last writer's release (discarded -> CLEAN). A close
+            or fsync of the file's own (`own_close`) makes it DIRTY again.
+    FAILED  a write failed (cause: the errno): the file lacks bytes its writer meant it to
+            have and is never uploaded; every later write, flush and fsync gets the errno
+            until the last release lets the bytes go (discarded -> CLEAN).
+
+    Precedence: FAILED stays FAILED until discarded (a killed writer, a write or an upload
+    that lands later change nothing); TORN yields only to FAILED, to discarded and to
+    `own_close`, and a save of bytes sent before makes it CLEAN (nothing is left to set aside).
+    """
+
+    CLEAN = "clean"
+    DIRTY = "dirty"
+    TORN = "torn"
+    FAILED = "failed"
 
 
 @dataclass(eq=False)
@@ -41,7 +65,8 @@ class Inode:
     # not defaults derived from a LIST entry.
     meta_known: bool = False
     staged: StagedFile | None = None
-    dirty: bool = False  # the staged bytes are newer than what S3 has (or will have)
+    write: Write = Write.CLEAN  # the staged bytes against S3 (Write says which moves are allowed)
+    write_cause: int = 0  # TORN: the signal that killed the writer; FAILED: the write's errno
     symlink_target: bytes | None = None
     rdev: int = 0  # a character or block device's number (x-amz-meta-rdev)
     # A directory that another tool marked with an object of its own rather than "dir/": an
@@ -52,8 +77,6 @@ class Inode:
     open_handles: int = 0
     writers: int = 0
     unlinked: bool = False
-    write_error: int = 0  # errno of a failed write: the file must not be uploaded
-    torn: int = 0  # signal that killed a writer at its close: the bytes must never be published
     pending: int = 0  # entries of the ordered log about this inode that S3 has not applied
     # While a rename is pending in the log, S3 still holds the object under its old key.
     read_key: str | None = None
@@ -74,6 +97,21 @@ class Inode:
         """A fifo, socket or device: a zero-byte object for its name, mode and rdev; the
         kernel serves its data (a pipe, a socket), never ckptfs."""
         return stat.S_IFMT(self.mode) in SPECIAL_TYPES
+
+    @property
+    def dirty(self) -> bool:
+        """The staged bytes are newer than what S3 has (or will have)."""
+        return self.write is not Write.CLEAN
+
+    @property
+    def write_error(self) -> int:
+        """The errno of a failed write (the file is never uploaded), or 0."""
+        return self.write_cause if self.write is Write.FAILED else 0
+
+    @property
+    def torn(self) -> int:
+        """The signal that killed a writer before its close (never published), or 0."""
+        return self.write_cause if self.write is Write.TORN else 0
 
     @property
     def is_local(self) -> bool:
@@ -229,9 +267,13 @@ class Inode:
 
     # Writes.
 
+    def _moves_to(self, state: Write, cause: int = 0) -> None:
+        self.write, self.write_cause = state, cause
+
     def changed(self) -> None:
         """The staged bytes changed: S3 must get them again."""
-        self.dirty = True
+        if self.write is Write.CLEAN:
+            self._moves_to(Write.DIRTY)
         self.upload.clock += 1
         self.touch()
 
@@ -256,23 +298,30 @@ class Inode:
         the inode is clean, unless written since `clock` (then False)."""
         if clock is not None and clock != self.clock:
             return False
-        self.dirty = False
+        if self.write is not Write.FAILED:
+            self._moves_to(Write.CLEAN)
         return True
 
     def write_failed(self, errno_: int) -> None:
-        """A write failed: the file lacks bytes its writer meant it to have and must never
-        be uploaded (0: its bytes were let go)."""
-        self.write_error = errno_
+        """A write failed with `errno_`: the file lacks bytes its writer meant it to have and
+        must never be uploaded."""
+        if self.write is not Write.FAILED:
+            self._moves_to(Write.FAILED, errno_)
 
     def torn_by(self, signal_number: int) -> None:
-        """The kernel closed the file for a writer killed by `signal_number` (0: a close of
-        the writer's own, or the torn bytes were let go)."""
-        self.torn = signal_number
+        """The kernel closed the file for a writer killed by `signal_number`."""
+        if self.write is Write.DIRTY:
+            self._moves_to(Write.TORN, signal_number)
+
+    def own_close(self) -> None:
+        """A close or fsync of the writer's own: the file is not torn."""
+        if self.write is Write.TORN:
+            self._moves_to(Write.DIRTY)
 
     def discarded(self) -> StagedFile | None:
         """The unpublished bytes are let go (a failed write, a killed writer): the inode is
         clean and its staged file, returned, is the caller's."""
-        self.dirty = False
+        self._moves_to(Write.CLEAN)
         staged, self.staged = self.staged, None
         return staged
 

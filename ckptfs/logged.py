@@ -49,7 +49,7 @@ class LoggedChanges(ChangesBase):
         if node.staged is None:
             return
         await trio.to_thread.run_sync(os.fsync, node.staged.fd)
-        node.torn_by(0)
+        node.own_close()
         await self.publish(node, fsynced=True)
 
     async def publish(self, node: Inode, *, fsynced: bool = False, background: bool = True) -> None:

@@ -218,7 +218,7 @@ async def test_a_listing_never_heads_an_empty_object_the_mount_itself_owns() -> 
     table = InodeTable("p/", 0, 0)
     ns = Namespace(s3, table, 0, 0, ttl=1.0)  # type: ignore[arg-type]
     mine = table.add(ROOT_INODE, "mine", stat.S_IFREG | 0o644, 0, 0)
-    mine.dirty = True  # written here, its upload still to come: the mount's state wins
+    mine.changed()  # written here, its upload still to come: the mount's state wins
     entries = {e.name: e for e in await ns.list_dir(table[ROOT_INODE])}
     assert entries["mine"] is mine and stat.S_ISFIFO(entries["theirs"].mode)
     assert [k for op, k in s3.requests if op == "HEAD"] == ["p/theirs"]

@@ -8,13 +8,13 @@ import stat
 import trio
 
 from ckptfs.errors import UploadError
-from ckptfs.inodes import Inode
+from ckptfs.inodes import Inode, Write
 from ckptfs.queue import UploadQueue
 from ckptfs.retry import RetryPolicy
 
 
 def _file(ino: int) -> Inode:
-    return Inode(ino, 1, f"f{ino}", stat.S_IFREG | 0o644, 0, 0, dirty=True)
+    return Inode(ino, 1, f"f{ino}", stat.S_IFREG | 0o644, 0, 0, write=Write.DIRTY)
 
 
 async def test_an_unexpected_error_in_one_upload_is_retried_and_never_ends_the_queue() -> None:
@@ -28,7 +28,7 @@ async def test_an_unexpected_error_in_one_upload_is_retried_and_never_ends_the_q
         attempts[inode.ino] += 1
         if failures[inode.ino]:
             raise failures[inode.ino].pop(0)
-        inode.dirty = False
+        inode.saved()
 
     policy = RetryPolicy()
     a, b = _file(1), _file(2)
