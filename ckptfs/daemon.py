@@ -405,7 +405,7 @@ async def _watch_signals(mount: Mount, drain_timeout: float, notifier: Notifier)
             notifier.stopping(mount.stats.line())
             with trio.move_on_after(drain_timeout) as scope:
                 await mount.changes.backlog.drain()
-                await mount.uploader.idle.wait()
+                await mount.uploader.wait_idle()
             if scope.cancelled_caught:
                 log.error("drain timeout (%.0fs) reached with %d uploads pending",
                           drain_timeout, len(mount.changes.backlog.pending()))

@@ -24,12 +24,13 @@ from typing import Any
 import trio
 
 from ckptfs.bodies import crcs_of_ranges
+from ckptfs.broadcast import Broadcast
+from ckptfs.bucket import Bucket
 from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error, UploadError, raise_first_error
 from ckptfs.journal import Journal
 from ckptfs.parts import PartPlan, PartRange
 from ckptfs.retry import RetryPolicy
-from ckptfs.bucket import Bucket
 from ckptfs.uploads import FileUpload, PartRecord, UploadRecords, UploadResult, without_times
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,7 @@ class Uploader:
         self.parts_limiter = trio.CapacityLimiter(concurrency)
         self._nursery = nursery  # holds the parts streamed while files are written
         self._active = 0
-        self.idle = trio.Event()
-        self.idle.set()
+        self._went_idle = Broadcast()  # fired when the last upload or part in flight ends
         self.parts_sent = 0
         self.bytes_uploaded = 0  # part and PUT bodies S3 accepted
         self.uploads_done = 0
@@ -84,14 +84,17 @@ class Uploader:
         return self._active
 
     def _begin(self) -> None:
-        if self._active == 0:
-            self.idle = trio.Event()
         self._active += 1
 
     def _end(self) -> None:
         self._active -= 1
         if self._active == 0:
-            self.idle.set()
+            self._went_idle.fire()
+
+    async def wait_idle(self) -> None:
+        """Until no upload or streamed part is in flight."""
+        while self._active:
+            await self._went_idle.wait()
 
     # ----- called by the filesystem --------------------------------------
 
