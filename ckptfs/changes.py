@@ -1,10 +1,10 @@
 """How the mount's changes reach S3: the interface fs.py, files.py and tree.py call.
 
-Two implementations, one per durability mode:
-- `DirectChanges` (direct.py, close mode): every change is made in S3 before the call that
-  made it returns; a close whose upload fails keeps retrying in the background.
-- `LoggedChanges` (logged.py, async mode): every change is journaled and appended to the
-  ordered log (oplog.py); S3 gets the changes in the order they were made.
+Two implementations, one per durability mode (`--durability close|async`), named for it:
+- `CloseModeChanges` (closemode.py): every change is made in S3 before the call that made it
+  returns; a close whose upload fails keeps retrying in the background (queue.py).
+- `AsyncModeChanges` (asyncmode.py): every change is journaled and appended to the ordered
+  log (oplog.py); S3 gets the changes in the order they were made.
 
 Also here: `LocalCopies`, the one rule for an uploaded file's staged bytes once nobody has
 the file open (they become a clean copy in the read cache), which both modes apply.
@@ -16,9 +16,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ckptfs.bucket import Bucket
 from ckptfs.cache import ObjectCache
 from ckptfs.inodes import Inode, InodeTable
-from ckptfs.bucket import Bucket
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import UploadRecords

@@ -21,12 +21,14 @@ import pyfuse3
 import trio
 
 from ckptfs import control, fuseloop
-from ckptfs.client import _mountinfo, control_path, is_mounted, mount_type, result_path, state_path
-from ckptfs.config import Config
+from ckptfs.asyncmode import AsyncModeChanges
+from ckptfs.bucket import Bucket
 from ckptfs.buffers import BufferBudget
 from ckptfs.cache import ObjectCache
 from ckptfs.changes import Changes, LocalCopies
-from ckptfs.direct import DirectChanges
+from ckptfs.client import _mountinfo, control_path, is_mounted, mount_type, result_path, state_path
+from ckptfs.closemode import CloseModeChanges
+from ckptfs.config import Config
 from ckptfs.errors import MountError, raise_first_error
 from ckptfs.files import OpenFiles
 from ckptfs.fs import CheckpointFS
@@ -34,18 +36,16 @@ from ckptfs.inodes import InodeTable
 from ckptfs.journal import Journal
 from ckptfs.metrics import Stats
 from ckptfs.metrics import serve as serve_metrics
-from ckptfs.logged import LoggedChanges
 from ckptfs.namespace import Namespace
 from ckptfs.notify import Notifier
 from ckptfs.oplog import OrderedLog
-from ckptfs.recovery import Recovery
-from ckptfs.renames import Renames
-from ckptfs.retry import RetryPolicy
 from ckptfs.parts import PartPlan
 from ckptfs.passthrough import Passthrough, PassthroughError
 from ckptfs.prefetch import ChunkReader
+from ckptfs.recovery import Recovery
+from ckptfs.renames import Renames
+from ckptfs.retry import RetryPolicy
 from ckptfs.s3 import S3Client, make_boto_client, preflight
-from ckptfs.bucket import Bucket
 from ckptfs.spot import watch as watch_spot
 from ckptfs.staging import StagingArea
 from ckptfs.tree import Tree
@@ -236,11 +236,11 @@ async def build_mount(config: Config, s3: Bucket, nursery: trio.Nursery,
     local = LocalCopies(cache, table)
     changes: Changes
     if config.durability == "async":  # every change reaches S3 through the ordered log, in order
-        changes = LoggedChanges(log=oplog, s3=s3, table=table, uploader=uploader, records=records,
+        changes = AsyncModeChanges(log=oplog, s3=s3, table=table, uploader=uploader, records=records,
                                 cache=cache, staging=staging, local=local)
         masks = oplog.masks
     else:
-        changes = DirectChanges(s3=s3, table=table, uploader=uploader, records=records, cache=cache,
+        changes = CloseModeChanges(s3=s3, table=table, uploader=uploader, records=records, cache=cache,
                                 staging=staging, local=local, nursery=nursery, renames=renames)
         masks = None
     ns = Namespace(s3, table, uid, gid, config.metadata_ttl, masks=masks)

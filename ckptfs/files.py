@@ -25,16 +25,16 @@ from typing import Any
 import pyfuse3
 import trio
 
+from ckptfs.bucket import Bucket
 from ckptfs.cache import ObjectCache
 from ckptfs.changes import Changes, LocalCopies
 from ckptfs.errors import CkptfsError, NoSpace
+from ckptfs.handles import ReadStream
 from ckptfs.inodes import Inode, InodeTable
 from ckptfs.metadata import object_metadata
 from ckptfs.namespace import Namespace
 from ckptfs.opener import Opener, killing_signal
-from ckptfs.handles import ReadStream
 from ckptfs.prefetch import ChunkReader
-from ckptfs.bucket import Bucket
 from ckptfs.staging import StagedFile, StagingArea, copy_file
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload, UploadRecords

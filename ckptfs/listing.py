@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ckptfs.bucket import Bucket
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import Inode, InodeTable
-from ckptfs.bucket import Bucket
 from ckptfs.s3types import MARKED_MAX, ListPage, ObjectInfo, is_marked
 
 NAME_MAX = 255

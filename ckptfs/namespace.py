@@ -17,13 +17,13 @@ from collections.abc import Callable
 import cachetools
 import trio
 
+from ckptfs.bucket import Bucket
 from ckptfs.errors import NoSuchKey
 from ckptfs.inodes import ROOT_INODE, SPECIAL_TYPES, Inode, InodeTable
-from ckptfs.masks import Masks, no_masks
-from ckptfs.metadata import parse_stamp
 from ckptfs.listing import (SYMLINK_MAX, Listing, is_directory_object, page_entries, read_listing,
                             sort_key)
-from ckptfs.bucket import Bucket
+from ckptfs.masks import Masks, no_masks
+from ckptfs.metadata import parse_stamp
 from ckptfs.s3types import ListPage, ObjectInfo
 
 log = logging.getLogger(__name__)

@@ -41,8 +41,8 @@ import trio
 
 from ckptfs.broadcast import Broadcast
 from ckptfs.errors import NoSuchKey, S3Error
-from ckptfs.masks import Masks
 from ckptfs.journal import PartDone, Record
+from ckptfs.masks import Masks
 from ckptfs.parts import PartPlan
 from ckptfs.renames import Renames
 from ckptfs.staging import StagedFile

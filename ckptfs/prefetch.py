@@ -43,12 +43,12 @@ import trio
 
 from ckptfs.assembly import WholeObjects
 from ckptfs.broadcast import Broadcast
+from ckptfs.bucket import Bucket
 from ckptfs.cache import ObjectCache
 from ckptfs.errors import LocalWriteError, S3Error
 from ckptfs.handles import ReadStream
 from ckptfs.localread import ALIGN, LocalView, store_file
 from ckptfs.parts import MiB
-from ckptfs.bucket import Bucket
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import trio
 
+from ckptfs.bucket import Bucket
 from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import NoSuchKey, S3Error, UploadError
 from ckptfs.journal import Journal, Record
 from ckptfs.oplog import apply_op
-from ckptfs.renames import INTENTS, Renames
 from ckptfs.parts import PartPlan
-from ckptfs.bucket import Bucket
+from ckptfs.renames import INTENTS, Renames
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload, PartRecord, without_times
 

@@ -34,12 +34,12 @@ from collections.abc import Callable
 
 import trio
 
+from ckptfs.bucket import Bucket
 from ckptfs.cache import ObjectCache
 from ckptfs.errors import CkptfsError, NoSuchKey, raise_first_error
 from ckptfs.inodes import Inode, InodeTable
 from ckptfs.metadata import object_metadata
 from ckptfs.namespace import RESERVED_NAME
-from ckptfs.bucket import Bucket
 from ckptfs.s3types import ObjectInfo
 from ckptfs.uploads import UploadRecords
 

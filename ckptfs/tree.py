@@ -10,11 +10,11 @@ from __future__ import annotations
 import errno
 import time
 
+from ckptfs.bucket import Bucket
 from ckptfs.changes import Changes, LocalCopies
 from ckptfs.errors import Refused
 from ckptfs.inodes import Inode, InodeTable
 from ckptfs.namespace import Namespace
-from ckptfs.bucket import Bucket
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import UploadRecords
 

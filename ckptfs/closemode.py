@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from ckptfs.bucket import Bucket
 from ckptfs.cache import ObjectCache
 from ckptfs.changes import ChangesBase, LocalCopies
 from ckptfs.errors import UploadError
@@ -24,7 +25,6 @@ from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
 from ckptfs.metadata import object_metadata
 from ckptfs.queue import UploadQueue
 from ckptfs.renames import Renames, rename_in_s3
-from ckptfs.bucket import Bucket
 from ckptfs.staging import StagedFile, StagingArea
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import UploadRecords
@@ -32,7 +32,7 @@ from ckptfs.uploads import UploadRecords
 log = logging.getLogger(__name__)
 
 
-class DirectChanges(ChangesBase):
+class CloseModeChanges(ChangesBase):
     def __init__(self, *, s3: Bucket, table: InodeTable, uploader: Uploader, records: UploadRecords,
                  cache: ObjectCache, staging: StagingArea, local: LocalCopies,
                  nursery: trio.Nursery, renames: Renames) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from ckptfs.bucket import Bucket
 from ckptfs.cache import ObjectCache
 from ckptfs.changes import ChangesBase, LocalCopies
 from ckptfs.errors import Refused
@@ -26,13 +27,12 @@ from ckptfs.journal import Record
 from ckptfs.metadata import object_metadata
 from ckptfs.oplog import Entry, OrderedLog
 from ckptfs.renames import files_under, locked
-from ckptfs.bucket import Bucket
 from ckptfs.staging import StagedFile, StagingArea, copy_file
 from ckptfs.uploader import Uploader
 from ckptfs.uploads import FileUpload, UploadRecords
 
 
-class LoggedChanges(ChangesBase):
+class AsyncModeChanges(ChangesBase):
     def __init__(self, *, log: OrderedLog, s3: Bucket, table: InodeTable, uploader: Uploader,
                  records: UploadRecords, cache: ObjectCache, staging: StagingArea,
                  local: LocalCopies) -> None:
