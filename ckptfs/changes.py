@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ckptfs.backlog import Backlog
 from ckptfs.bucket import Bucket
 from ckptfs.cache import ObjectCache
 from ckptfs.inodes import Inode, InodeTable
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class Changes(Protocol):
-    backlog: Backlog
+    backlog: Backlog[Any, Any]
 
     async def publish(self, node: Inode, *, fsynced: bool = False, background: bool = True) -> None:
         """The file's staged bytes as they are now become its object: close mode uploads them
@@ -64,19 +65,6 @@ class Changes(Protocol):
 
     def stats(self) -> dict[str, Any]:
         ...
-
-
-class Backlog(Protocol):
-    """What S3 does not have yet: close mode's retry queue (queue.py), or the ordered log."""
-
-    def pending(self) -> list[tuple[str, int, str | None]]:
-        """(path, bytes, last error) of every change S3 does not have yet."""
-
-    async def wait(self, path: str = "") -> list[tuple[str, str]]:
-        """`ckptfs sync PATH`: wait for every change made under PATH; (path, reason) of failures."""
-
-    async def drain(self) -> None:
-        """Return once S3 has every change (the caller bounds it with a deadline)."""
 
 
 class ChangesBase:

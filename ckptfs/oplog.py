@@ -39,7 +39,7 @@ from typing import Any
 
 import trio
 
-from ckptfs.broadcast import Broadcast
+from ckptfs.backlog import Backlog
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.journal import PartDone, Record
 from ckptfs.masks import Masks
@@ -141,18 +141,19 @@ def _with_upload(rec: Record, up: FileUpload) -> Record:
     return dataclasses.replace(rec, upload_id=up.upload_id, parts=parts, intent=intent)
 
 
-class OrderedLog:
+class OrderedLog(Backlog[int, Entry]):
+    """The entries not yet applied, by seq (in sequence order)."""
+
     def __init__(self, records: UploadRecords, uploader: Uploader, renames: Renames, *,
                  nursery: trio.Nursery) -> None:
+        super().__init__()
         self.records = records  # the one writer of journal records
         self.uploader = uploader
         self.renames = renames
         self.s3 = renames.s3
         self._nursery = nursery  # runs the entries
-        self._entries: dict[int, Entry] = {}  # not yet applied, in sequence order
         self._next_seq = 1
         self._append_lock = trio.Lock()
-        self._changed = Broadcast()
         self.masks = Masks()  # what S3 still shows but the mount removed, until applied
 
     # ----- appending -----------------------------------------------------
@@ -192,7 +193,7 @@ class OrderedLog:
             entry = Entry(rec, path, staged, owner, on_done, fresh,
                           dict(rec.metadata) if rec.op == "put" else None,
                           appended_at=trio.current_time(), up=up)
-            self._entries[seq] = entry
+            self._items[seq] = entry
             for key in masks:
                 self.masks.add(key, seq)
             if effect is not None:
@@ -203,18 +204,18 @@ class OrderedLog:
             return entry
 
     def last(self) -> Entry | None:
-        return self._entries[next(reversed(self._entries))] if self._entries else None
+        return self._items[next(reversed(self._items))] if self._items else None
 
     def latest_put(self, owner: Any) -> Entry | None:
         """The newest pending put whose owner is `owner`."""
-        for seq in reversed(self._entries):
-            e = self._entries[seq]
+        for seq in reversed(self._items):
+            e = self._items[seq]
             if e.owner is owner and e.rec.op == "put":
                 return e
         return None
 
     def entries_of(self, owner: Any) -> list[Entry]:
-        return [e for e in self._entries.values() if e.owner is owner]
+        return [e for e in self._items.values() if e.owner is owner]
 
     async def retarget(self, entry: Entry, key: str, path: str, effect: Callable[[], None],
                        replaces: bool = False) -> bool:
@@ -286,12 +287,9 @@ class OrderedLog:
 
     # ----- applying --------------------------------------------------------
 
-    def _notify(self) -> None:
-        self._changed.fire()
-
     async def _turn(self, entry: Entry) -> None:
         """Return when every earlier entry is applied; from then on `entry` is visible."""
-        while next(iter(self._entries)) != entry.seq:
+        while next(iter(self._items)) != entry.seq:
             await self._changed.wait()
         if entry.fresh and entry.metadata is not None:
             # A put that is still the last change: wait out the grace from its append for a
@@ -358,7 +356,7 @@ class OrderedLog:
             except OSError as exc:
                 log.error("cannot remove the journal record of %s (%s); retrying", entry.path, exc)
                 await trio.sleep(1.0)
-        del self._entries[entry.seq]
+        del self._items[entry.seq]
         self.masks.release(entry.seq)
         entry.error = None
         if entry.on_done is not None:
@@ -367,41 +365,32 @@ class OrderedLog:
 
     # ----- waiting -----------------------------------------------------------
 
-    def pending(self) -> list[tuple[str, int, str | None]]:
-        """(path, bytes, last error) of every change S3 does not have yet."""
-        return [(e.path, e.size, e.error) for e in self._entries.values()]
+    def _path(self, item: Entry) -> str:
+        return item.path
+
+    def _size(self, item: Entry) -> int:
+        return item.size
 
     def pending_bytes(self) -> int:
-        return sum(e.size for e in self._entries.values())
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        return sum(e.size for e in self._items.values())
 
     async def wait(self, path: str = "") -> list[tuple[str, str]]:
         """Wait until every change under `path` made so far is in S3, or one it waits for has
         failed an attempt since now. Returns (path, reason) for each failing change; [] means
         done. A change outside `path` that fails holds everything after it, so it is reported."""
-        def under(e: Entry) -> bool:
-            return not path or e.path == path or e.path.startswith(path.rstrip("/") + "/")
-
-        mine = [seq for seq, e in self._entries.items() if under(e)]
+        under = self._under(path)
+        mine = [seq for seq, e in self._items.items() if under(e)]
         if not mine:
             return []
         last = max(mine)
-        start = {seq: e.attempts for seq, e in self._entries.items() if seq <= last}
+        start = self._attempts(seq for seq in self._items if seq <= last)
         for seq in start:
-            self._entries[seq].awaited = True
+            self._items[seq].awaited = True
         self._notify()
         while True:
-            if last not in self._entries:
+            if last not in self._items:
                 return []  # applied in order: everything before it is in S3 too
-            failed = [(e.path, e.error or "upload failed") for seq, e in self._entries.items()
-                      if seq <= last and e.attempts > start.get(seq, 0)]
+            failed = self._failed_since(start)
             if failed:
                 return failed
-            await self._changed.wait()
-
-    async def drain(self) -> None:
-        """Return once nothing is pending (the caller bounds it with a deadline)."""
-        while self._entries:
             await self._changed.wait()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ckptfs.broadcast import Broadcast
+from ckptfs.backlog import Backlog
 from ckptfs.errors import UploadError
 from ckptfs.inodes import Inode
 from ckptfs.retry import Backoff
@@ -28,25 +28,28 @@ class _Entry:
     error: str | None = None
 
 
-class UploadQueue:
+class UploadQueue(Backlog[int, _Entry]):
+    """Files whose close failed, by inode number."""
+
     def __init__(self, commit: Callable[[Inode], Awaitable[None]],
                  path_of: Callable[[Inode], str], backoff: Backoff, nursery: trio.Nursery) -> None:
+        super().__init__()
         self._commit = commit
         self._path_of = path_of
-        self._pending: dict[int, _Entry] = {}
-        self._changed = Broadcast()
         self._backoff = backoff
         self._nursery = nursery  # runs the retries
         self.uploaded = 0
 
-    def pending(self) -> list[tuple[str, int, str | None]]:
-        """(path, size, last error) of every file not yet in S3."""
-        return [(self._path_of(e.inode), e.inode.size, e.error) for e in self._pending.values()]
+    def _path(self, item: _Entry) -> str:
+        return self._path_of(item.inode)
+
+    def _size(self, item: _Entry) -> int:
+        return item.inode.size
 
     def add(self, inode: Inode) -> None:
-        if inode.ino in self._pending or not inode.dirty or inode.unlinked:
+        if inode.ino in self._items or not inode.dirty or inode.unlinked:
             return
-        entry = self._pending[inode.ino] = _Entry(inode)
+        entry = self._items[inode.ino] = _Entry(inode)
         self._nursery.start_soon(self._run, entry)
 
     async def _run(self, entry: _Entry) -> None:
@@ -70,37 +73,16 @@ class UploadQueue:
                     continue  # written again while it uploaded
                 break
         finally:
-            self._pending.pop(inode.ino, None)
+            self._items.pop(inode.ino, None)
             self._notify()
-
-    def _notify(self) -> None:
-        self._changed.fire()
 
     async def wait(self, path: str = "") -> list[tuple[str, str]]:
         """Wait until everything pending under `path` is in S3 or has failed an attempt since now.
 
         Returns (path, reason) for each file that failed; [] means all of it is in S3.
         """
-        def under(entry: _Entry) -> bool:
-            p = self._path_of(entry.inode)
-            return not path or p == path or p.startswith(path.rstrip("/") + "/")
-
-        start = {ino: e.attempts for ino, e in self._pending.items() if under(e)}
-        while True:
-            failed, waiting = [], False
-            for ino, attempts in start.items():
-                entry = self._pending.get(ino)
-                if entry is None:
-                    continue
-                if entry.attempts > attempts:
-                    failed.append((self._path_of(entry.inode), entry.error or "upload failed"))
-                else:
-                    waiting = True
-            if not waiting:
-                return failed
+        under = self._under(path)
+        start = self._attempts(ino for ino, e in self._items.items() if under(e))
+        while any(ino in self._items and self._items[ino].attempts == n for ino, n in start.items()):
             await self._changed.wait()
-
-    async def drain(self) -> None:
-        """Return once nothing is pending (the caller bounds it with a deadline)."""
-        while self._pending:
-            await self._changed.wait()
+        return self._failed_since(start)
