@@ -313,97 +313,38 @@ class ChunkReader:
     # ----- loading -----------------------------------------------------------
 
     async def _load(self, chunks: list[_Chunk], size: int) -> None:
-        """Fetch consecutive chunks with one ranged GET, each buffer ready as soon as it is
-        full; then write them to the disk cache."""
-        if chunks[0].buf is None:
-            await self._load_files(chunks, size)
-            return
-        key, etag, first = chunks[0].cid
-        start = first * self.chunk_size
-        wants = self._wants(chunks, size)
-        token = trio.lowlevel.current_trio_token()
-        error: BaseException | None = None
-
-        full = [False] * len(chunks)
-
-        def ready(chunk: _Chunk, want: int) -> None:  # on the trio thread, outside any task
-            if chunk.length == want:
-                return  # already made ready below
-            chunk.length = want
-            self.bytes_downloaded += want
-            if self.cache is not None:
-                chunk.users += 1  # the buffer stays put until the disk has it
-                self._writes += 1
-            chunk.ready.set()
-            self._released.fire()
-
-        def filled(i: int) -> None:  # in the GET's worker thread
-            full[i] = True
-            token.run_sync_soon(ready, chunks[i], wants[i])
-
-        try:
-            self.misses += len(chunks)
-            self.gets += 1
-            outs = [memoryview(c.buf)[:w] for c, w in zip(chunks, wants)]
-            await self.s3.get_ranges_into(key, start, outs, etag, filled)
-        except Exception as exc:  # handed to every waiter; readahead failures are only logged
-            error = exc
-            self._load_failed(exc, chunks)
-        finally:
-            for chunk, want, done in zip(chunks, wants, full):
-                if done:
-                    ready(chunk, want)  # if its queued call has not run yet
-                    continue
-                chunk.error = error or S3Error(f"load of {key} chunk {chunk.cid[2]} was cancelled")
-                # Its waiters only look at the error: the buffer is free again.
-                if self._chunks.get(chunk.cid) is chunk:
-                    del self._chunks[chunk.cid]
-                assert chunk.buf is not None
-                self._free.append(chunk.buf)
-                chunk.ready.set()
-                self._released.fire()
-        if self.cache is not None:
-            for chunk, want in zip(chunks, wants):
-                if chunk.error is None:
-                    self._nursery.start_soon(self._keep, chunk)  # its readers need not wait
-
-    async def _load_files(self, chunks: list[_Chunk], size: int) -> None:
-        """Fetch consecutive chunks with one ranged GET into new files of the disk cache,
-        each published, and its waiters woken, as soon as it is whole."""
-        assert self.cache is not None
-        cache = self.cache
+        """Fetch consecutive chunks with one ranged GET, each ready, and its waiters woken, as
+        soon as it is whole: received into buffers (then written to the disk cache), or,
+        where the chunks have none, straight into new files of the disk cache (published
+        as each is whole; its readers read the file)."""
         key, etag, first = chunks[0].cid
         wants = self._wants(chunks, size)
-        token = trio.lowlevel.current_trio_token()
+        to_files = chunks[0].buf is None
         files: list[tuple[str, str, int]] = []  # name, temp path, descriptor
+        token = trio.lowlevel.current_trio_token()
         full = [False] * len(chunks)
         error: BaseException | None = None
 
-        def settle(i: int) -> None:  # on the trio thread
-            chunk = chunks[i]
+        def settle(i: int) -> None:  # on the trio thread, outside any task; once per chunk
+            chunk, whole = chunks[i], full[i]
             if chunk.ready.is_set():
                 return
-            name, tmp, fd = files[i]
-            os.close(fd)
-            if full[i]:
+            if whole:
                 chunk.length = wants[i]
                 self.bytes_downloaded += wants[i]
-                try:
-                    cache.commit_chunk(key, etag, name, tmp, wants[i])
-                    self._chunk_stored(key, etag)
-                except OSError as exc:  # its readers fetch it again, into a buffer
-                    log.debug("could not cache chunk %d of %s: %s", chunk.cid[2], key, exc)
-                    _unlink(tmp)
-            else:
-                _unlink(tmp)
-            release(chunk, full[i])
-
-        def release(chunk: _Chunk, whole: bool) -> None:
+            if i < len(files):
+                self._close_chunk_file(chunk, files[i], whole)
             if not whole:  # its waiters only look at the error
                 chunk.error = error or S3Error(f"load of {key} chunk {chunk.cid[2]} was cancelled")
-            if self._chunks.get(chunk.cid) is chunk:
-                del self._chunks[chunk.cid]  # readers find it in the disk cache now
-            self._receiving -= 1
+                if chunk.buf is not None:
+                    self._free.append(chunk.buf)
+            if (to_files or not whole) and self._chunks.get(chunk.cid) is chunk:
+                del self._chunks[chunk.cid]  # gone, or in the disk cache now
+            if to_files:
+                self._receiving -= 1
+            elif whole and self.cache is not None:
+                chunk.users += 1  # the buffer stays put until the disk has it
+                self._writes += 1
             chunk.ready.set()
             self._released.fire()
 
@@ -412,22 +353,46 @@ class ChunkReader:
             token.run_sync_soon(settle, i)
 
         try:
-            self._open_chunk_files(chunks, files)
+            if to_files:
+                self._open_chunk_files(chunks, files)
             self.misses += len(chunks)
             self.gets += 1
-            spliced = await self.s3.get_ranges_to_files(
-                key, first * self.chunk_size, [(fd, want) for (_, _, fd), want in zip(files, wants)],
-                etag, filled)
-            self.bytes_spliced += spliced  # (not `+= await`: that adds to a stale value)
+            start = first * self.chunk_size
+            if to_files:
+                spliced = await self.s3.get_ranges_to_files(
+                    key, start, [(fd, want) for (_, _, fd), want in zip(files, wants)], etag, filled)
+                self.bytes_spliced += spliced  # (not `+= await`: that adds to a stale value)
+            else:
+                outs = []
+                for chunk, want in zip(chunks, wants):
+                    assert chunk.buf is not None  # a run is all buffers or all files
+                    outs.append(memoryview(chunk.buf)[:want])
+                await self.s3.get_ranges_into(key, start, outs, etag, filled)
         except Exception as exc:  # handed to every waiter; readahead failures are only logged
             error = exc
             self._load_failed(exc, chunks)
         finally:
-            for i, chunk in enumerate(chunks):
-                if i < len(files):
-                    settle(i)
-                elif not chunk.ready.is_set():
-                    release(chunk, False)  # its file was never opened
+            for i in range(len(chunks)):
+                settle(i)  # if its queued call has not run yet
+        if not to_files and self.cache is not None:
+            for chunk in chunks:
+                if chunk.error is None:
+                    self._nursery.start_soon(self._keep, chunk)  # its readers need not wait
+
+    def _close_chunk_file(self, chunk: _Chunk, file: tuple[str, str, int], whole: bool) -> None:
+        """A chunk received into a file: published in the disk cache if whole, else removed."""
+        assert self.cache is not None
+        (key, etag, k), (name, tmp, fd) = chunk.cid, file
+        os.close(fd)
+        if not whole:
+            _unlink(tmp)
+            return
+        try:
+            self.cache.commit_chunk(key, etag, name, tmp, chunk.length)
+            self._chunk_stored(key, etag)
+        except OSError as exc:  # its readers fetch it again, into a buffer
+            log.debug("could not cache chunk %d of %s: %s", k, key, exc)
+            _unlink(tmp)
 
     def _wants(self, chunks: list[_Chunk], size: int) -> list[int]:
         """The bytes of each chunk (the object's last one may be short)."""
