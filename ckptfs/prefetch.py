@@ -37,6 +37,7 @@ import logging
 import mmap
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -317,7 +318,7 @@ class ChunkReader:
         soon as it is whole: received into buffers (then written to the disk cache), or,
         where the chunks have none, straight into new files of the disk cache (published
         as each is whole; its readers read the file)."""
-        key, etag, first = chunks[0].cid
+        key = chunks[0].cid[0]
         wants = self._wants(chunks, size)
         to_files = chunks[0].buf is None
         files: list[tuple[str, str, int]] = []  # name, temp path, descriptor
@@ -357,17 +358,7 @@ class ChunkReader:
                 self._open_chunk_files(chunks, files)
             self.misses += len(chunks)
             self.gets += 1
-            start = first * self.chunk_size
-            if to_files:
-                spliced = await self.s3.get_ranges_to_files(
-                    key, start, [(fd, want) for (_, _, fd), want in zip(files, wants)], etag, filled)
-                self.bytes_spliced += spliced  # (not `+= await`: that adds to a stale value)
-            else:
-                outs = []
-                for chunk, want in zip(chunks, wants):
-                    assert chunk.buf is not None  # a run is all buffers or all files
-                    outs.append(memoryview(chunk.buf)[:want])
-                await self.s3.get_ranges_into(key, start, outs, etag, filled)
+            await self._get(chunks, wants, files if to_files else None, filled)
         except Exception as exc:  # handed to every waiter; readahead failures are only logged
             error = exc
             self._load_failed(exc, chunks)
@@ -378,6 +369,22 @@ class ChunkReader:
             for chunk in chunks:
                 if chunk.error is None:
                     self._nursery.start_soon(self._keep, chunk)  # its readers need not wait
+
+    async def _get(self, chunks: list[_Chunk], wants: list[int],
+                   files: list[tuple[str, str, int]] | None, filled: Callable[[int], None]) -> None:
+        """The one ranged GET of a run of chunks: into `files`, or else into their buffers."""
+        key, etag, first = chunks[0].cid
+        start = first * self.chunk_size
+        if files is not None:
+            spliced = await self.s3.get_ranges_to_files(
+                key, start, [(fd, want) for (_, _, fd), want in zip(files, wants)], etag, filled)
+            self.bytes_spliced += spliced  # (not `+= await`: that adds to a stale value)
+            return
+        outs = []
+        for chunk, want in zip(chunks, wants):
+            assert chunk.buf is not None  # a run is all buffers or all files
+            outs.append(memoryview(chunk.buf)[:want])
+        await self.s3.get_ranges_into(key, start, outs, etag, filled)
 
     def _close_chunk_file(self, chunk: _Chunk, file: tuple[str, str, int], whole: bool) -> None:
         """A chunk received into a file: published in the disk cache if whole, else removed."""
