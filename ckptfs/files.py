@@ -243,6 +243,11 @@ class OpenFiles:
     async def fsync(self, node: Inode) -> None:
         await self.changes.fsync(node)
 
+    async def publish_now(self, node: Inode) -> None:
+        """A change no close() will follow (truncate(2) by path): S3 gets it as at a close,
+        and a failure is the caller's."""
+        await self.changes.publish(node, background=False)
+
     async def release(self, node: Inode, writable: bool) -> None:
         node.released(writable)
         if writable and node.writers == 0 and node.torn and node.dirty and not node.unlinked:

@@ -197,7 +197,7 @@ class CheckpointFS(pyfuse3.Operations):
         if meta_changed:
             await self.tree.metadata(node)
         if fields.update_size and node.writers == 0:  # truncate(2) by path: no close() will follow
-            await self.files.changes.publish(node, background=False)
+            await self.files.publish_now(node)
         return self._attrs(node)
 
     @_guarded
