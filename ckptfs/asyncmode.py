@@ -127,7 +127,12 @@ class AsyncModeChanges(ChangesBase):
             later = [e.rec.src for e in self.log.entries_of(node) if e.rec.op == "copy"]
             node.reads_from(later[0] if later else None)
             if etag and not node.unlinked:
+                old = node.etag
                 node.moved(etag)
+                if old is not None and rec.src and not node.is_local:
+                    # As close mode's rename; a replaced version a handle reads stays.
+                    self.cache.rekey(rec.src, old, rec.key, etag,
+                                     keep=self.local.read_under(rec.key))
         elif etag and not node.is_dir and not renamed_since:
             node.moved(etag)
         node.confirmed()

@@ -104,6 +104,10 @@ class LocalCopies:
         if inode.open_handles > 0 and inode.etag is not None:
             self._read_while_gone[inode.ino] = (key, inode.etag)
 
+    def read_under(self, key: str) -> str | None:
+        """The ETag of a version of `key` that a handle still reads though its name is gone."""
+        return next((etag for k, etag in self._read_while_gone.values() if k == key), None)
+
     def closed(self, inode: Inode) -> None:
         """The last handle of a file whose name is gone was released."""
         version = self._read_while_gone.pop(inode.ino, None)

@@ -181,3 +181,35 @@ async def test_a_file_replaced_by_a_rename_stays_readable_through_its_handle(wor
     await kernel.fs.release(reader)
     assert await kernel.read("latest.pt") == b"new checkpoint"
     assert await in_s3(mount, s3) == {"latest.pt": b"new checkpoint"}
+
+
+async def test_a_file_renamed_after_it_reached_s3_is_read_back_from_the_cache(world) -> None:
+    """S3 copies the object to the new name (async mode: in the log's turn); the bytes the
+    mount kept of it are the new object's too, and a read needs no GET."""
+    kernel, mount, s3 = world
+    data = os.urandom(3 << 20)
+    await kernel.write("ck.pt", data)
+    await in_s3(mount, s3)  # in S3 before the rename: the rename is a copy there
+    await kernel.rename("ck.pt", "final.pt")
+    assert await in_s3(mount, s3) == {"final.pt": data}
+    s3.requests.clear()
+    await kernel.drop_caches()
+    assert await kernel.read("final.pt") == data[:1 << 20]
+    assert [op for op, _ in s3.requests if op == "GET"] == []
+
+
+async def test_a_file_replaced_by_a_copy_in_s3_stays_readable_through_its_handle(world) -> None:
+    """As above, but the new file reached S3 before its rename: S3 copies it over the old
+    one (async mode: in the log's turn), and the reader still has the version it opened."""
+    kernel, mount, s3 = world
+    old = os.urandom(3 << 20)
+    await kernel.write("latest.pt", old)
+    await in_s3(mount, s3)
+    reader = await kernel.open("latest.pt")
+    await kernel.write("latest.tmp", b"new checkpoint")
+    await in_s3(mount, s3)
+    await kernel.rename("latest.tmp", "latest.pt")
+    assert await in_s3(mount, s3) == {"latest.pt": b"new checkpoint"}
+    assert bytes(await kernel.fs.read(reader, 2 << 20, 1 << 20)) == old[2 << 20:]
+    await kernel.fs.release(reader)
+    assert await kernel.read("latest.pt") == b"new checkpoint"
