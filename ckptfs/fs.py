@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Callable
 from typing import Any
 
 import pyfuse3
@@ -58,6 +59,8 @@ class CheckpointFS(pyfuse3.Operations):
         self._handles: dict[int, Handle | DirHandle] = {}
         self._next_fh = 1
         self.requests: collections.Counter[str] = collections.Counter()  # FUSE requests, by op
+        # How a READDIR entry reaches the kernel (tests/inprocess.py, with no kernel, collects them).
+        self.reply_entry: Callable[..., bool] = pyfuse3.readdir_reply
 
     def stats(self) -> dict[str, Any]:
         return {"fuse_requests": dict(self.requests)}
@@ -298,7 +301,7 @@ class CheckpointFS(pyfuse3.Operations):
             child = self.table.revive(handle.entries[index])
             if child is None:
                 continue
-            if not pyfuse3.readdir_reply(token, os.fsencode(child.name), self._attrs(child), index + 1):
+            if not self.reply_entry(token, os.fsencode(child.name), self._attrs(child), index + 1):
                 return
             child.looked_up()
 

@@ -75,11 +75,11 @@ class Kernel:
             names.append(os.fsdecode(name))
             self.took(attrs.st_ino)
             return True
-        real, pyfuse3.readdir_reply = pyfuse3.readdir_reply, reply
+        real, self.fs.reply_entry = self.fs.reply_entry, reply
         try:
             await self.fs.readdir(fh, 0, None)
         finally:
-            pyfuse3.readdir_reply = real
+            self.fs.reply_entry = real
             await self.fs.releasedir(fh)
         return sorted(names)
 
