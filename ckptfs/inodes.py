@@ -27,17 +27,14 @@ class Write(enum.Enum):
     """Where an inode's staged bytes stand against S3 (`Inode.write`, `Inode.write_cause`).
 
     CLEAN   S3 has (or the log will give it) the staged bytes, or there are none.
-    DIRTY   written since: S3 must get them again (changed -> DIRTY; saved -> CLEAN).
-    TORN    a writer was killed before its close (cause: the signal): the bytes are never
-            published; set aside at the last writer's release (discarded -> CLEAN). A close
-            or fsync of the file's own (`own_close`) makes it DIRTY again.
-    FAILED  a write failed (cause: the errno): the file lacks bytes its writer meant it to
-            have and is never uploaded; every later write, flush and fsync gets the errno
-            until the last release lets the bytes go (discarded -> CLEAN).
+    DIRTY   written since (changed): S3 must get them again (saved -> CLEAN).
+    TORN    a writer was killed before its close (cause: the signal): never published, set
+            aside at the last writer's release; its own close or fsync makes it DIRTY again.
+    FAILED  a write failed (cause: the errno): never uploaded; later writes, flushes and
+            fsyncs get the errno until the last release lets the bytes go.
 
-    Precedence: FAILED stays FAILED until discarded (a killed writer, a write or an upload
-    that lands later change nothing); TORN yields only to FAILED, to discarded and to
-    `own_close`, and a save of bytes sent before makes it CLEAN (nothing is left to set aside).
+    Precedence: FAILED yields only to `discarded` (a kill, a write or a save later changes
+    nothing); TORN yields to FAILED, `own_close`, a save (of bytes sent before) and `discarded`.
     """
 
     CLEAN = "clean"
