@@ -2,6 +2,7 @@
 
     git archive REV ckptfs | tar -x -C /tmp/before
     .venv/bin/python bench/compare_trees.py /tmp/before [--rounds 3] [--writers 8 --writer-mib 128]
+        [--both-args "--passthrough off"]
 
 Both trees' daemons run against one SeaweedFS (each mount's `python -m ckptfs` gets the
 tree on PYTHONPATH), one 1 GiB file and N ranks at once, close and async mode, with the
@@ -33,6 +34,8 @@ def main() -> int:
     ap.add_argument("--work", default="/var/tmp")
     ap.add_argument("--after-args", default="", help='options for the after tree\'s mounts only, '
                     'e.g. "--passthrough off" (the before tree may not know them)')
+    ap.add_argument("--both-args", default="", help='options for both trees\' mounts, '
+                    'e.g. "--passthrough off" (the daemon\'s own write path in both)')
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.before, "ckptfs", "__init__.py")):
         ap.error(f"no ckptfs package in {args.before} (git archive REV ckptfs | tar -x -C DIR)")
@@ -55,7 +58,8 @@ def main() -> int:
             bench.round, start = rnd, len(bench.rows)
             for name in (["before", "after"] if rnd % 2 == 0 else ["after", "before"]):
                 bench.env = dict(bench.env, PYTHONPATH=trees[name])
-                bench.ckptfs_args = shlex.split(args.after_args) if name == "after" else []
+                bench.ckptfs_args = shlex.split(args.both_args) + (
+                    shlex.split(args.after_args) if name == "after" else [])
                 bench.ckptfs_both(f"file-1GiB {name}", bench.copy_writer(big), os.path.getsize(big))
                 bench.ckptfs_both(f"writers-{args.writers}x{args.writer_mib}MiB {name}",
                                   bench.parallel_writer(rank, args.writers),

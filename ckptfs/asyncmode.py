@@ -2,9 +2,10 @@
 
 A close or fsync appends the put of the file's bytes as they are then; from there the
 staged file is held (a later write works on a copy, files.py). Parts stream while the file
-is written, as in close mode, and the put takes that multipart upload over. Deletes, directory markers,
-symlinks, renames (a directory's too) and metadata are entries too. The mount shows each change at once; S3
-gets it in its turn, and `on_done` brings the inode up to date with what S3 then holds.
+is written, as in close mode, and the put takes that multipart upload over. Deletes,
+directory markers, symlinks, renames (a directory's too) and metadata are entries too. The
+mount shows each change at once; S3 gets it in its turn, and `on_done` brings the inode up
+to date with what S3 then holds.
 """
 
 from __future__ import annotations

@@ -181,7 +181,8 @@ class Bucket:
         await self.get_ranges_into(key, start, [memoryview(buf)], etag)
         return bytes(buf)
 
-    async def download_to(self, key: str, fd: int, size: int, chunk: int, etag: str | None = None) -> None:
+    async def download_to(self, key: str, fd: int, size: int, chunk: int,
+                          etag: str | None = None) -> None:
         """Fetch a whole object into `fd` with parallel ranged GETs, chunk bytes each."""
         async def one(start: int) -> None:
             buf = bytearray(min(chunk, size - start))
