@@ -1,7 +1,7 @@
 """One retry policy: exponential backoff with jitter, a deadline, and hurry.
 
 Whether a failure is worth another attempt is decided where botocore's errors are translated
-(`S3Error.retryable`, in s3.py), by the request and the error, never by the caller. How long
+(`S3Error.retryable`, in s3wire.py), by the request and the error, never by the caller. How long
 to wait is decided here, for two kinds of retry:
 
 - `RetryPolicy.call`: one request again (0.2 s doubling to a 5 s cap), until the deadline of

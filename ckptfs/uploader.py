@@ -9,8 +9,8 @@ CapacityLimiter bounds parts in flight across all files of the mount, FIFO, so
 concurrent writers share it fairly. A failed upload aborts its multipart
 upload; the staged file is never touched.
 
-Every S3 request of an upload is retried (by s3.py, with the one policy of
-retry.py) while the fault is transient, until the upload's deadline
+Every S3 request of an upload is retried (by bucket.Bucket, with the one policy
+of retry.py) while the fault is transient, until the upload's deadline
 (`--upload-timeout`) passes. Upload state and its journal records are in uploads.py.
 """
 
@@ -264,7 +264,7 @@ class Uploader:
         async with self.parts_limiter:
             known = self.known_crc(up, r)  # once its turn comes: as close to the send as can be
             # A part the server rejected for a checksum mismatch (damaged on the way) is sent
-            # again by s3.py, like every transient fault; it is never completed.
+            # again by bucket.Bucket, like every transient fault; it is never completed.
             try:
                 etag, crc = await self.s3.upload_part(key, upload_id, r.number, fd, r.start,
                                                       r.size, deadline, crc=known,
