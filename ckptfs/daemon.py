@@ -249,7 +249,9 @@ async def build_mount(config: Config, s3: Bucket, nursery: trio.Nursery,
                       records=records, reader=reader, changes=changes, local=local)
     tree = Tree(s3=s3, table=table, ns=ns, uploader=uploader, records=records, changes=changes,
                 local=local)
-    passthrough = Passthrough(config.passthrough, config.cache_dir, uploader, files, nursery)
+    passthrough = Passthrough(config.passthrough, config.cache_dir, uploader=uploader, table=table,
+                              staging=staging, cache=cache, changes=changes,
+                              space_wait=files.space_wait, nursery=nursery)
     fs = CheckpointFS(table=table, ns=ns, files=files, tree=tree, staging_dir=staging.dir,
                       read_only=config.read_only, metadata_ttl=config.metadata_ttl,
                       passthrough=passthrough)

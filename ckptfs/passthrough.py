@@ -31,10 +31,11 @@ from typing import Any
 import pyfuse3
 import trio
 
-from ckptfs.cache import disk_bytes, free_bytes
-from ckptfs.files import OpenFiles
-from ckptfs.inodes import Inode
+from ckptfs.cache import ObjectCache, disk_bytes, free_bytes
+from ckptfs.changes import Changes
+from ckptfs.inodes import Inode, InodeTable
 from ckptfs.metadata import object_metadata
+from ckptfs.staging import StagingArea
 from ckptfs.uploader import Uploader
 
 log = logging.getLogger(__name__)
@@ -105,13 +106,17 @@ class Backing:
 
 
 class Passthrough:
-    def __init__(self, mode: str, cache_dir: str, uploader: Uploader, files: OpenFiles,
+    def __init__(self, mode: str, cache_dir: str, *, uploader: Uploader, table: InodeTable,
+                 staging: StagingArea, cache: ObjectCache, changes: Changes, space_wait: float,
                  nursery: trio.Nursery, poll: float = _POLL) -> None:
         self.mode = mode
         self.uploader = uploader
-        self.files = files
-        self.table = files.table
-        self.staging_dir = files.staging.dir
+        self.table = table
+        self.staging = staging
+        self.staging_dir = staging.dir
+        self.cache = cache
+        self.changes = changes
+        self.space_wait = space_wait  # how long a writer waits for space (files.py's too)
         self.headroom = min(HEADROOM, disk_bytes(self.staging_dir) // 2)
         self._nursery = nursery
         self.poll = poll
@@ -300,24 +305,24 @@ class Passthrough:
             for b in self._by_ino.values():
                 if b.writing > 0:
                     b.full = True
-        if free < self.headroom and self.files.cache.make_room(self.headroom):
-            self.files.staging.freed()
+        if free < self.headroom and self.cache.make_room(self.headroom):
+            self.staging.freed()
 
     async def make_room(self, path: str) -> None:
         """Before the kernel writes the staged file of `path`: free space for the writer, from
         the read cache, else by waiting (up to --upload-timeout) while uploads free some; the
         daemon cannot make a writer wait once the kernel writes for it."""
-        deadline = trio.current_time() + self.files.space_wait
+        deadline = trio.current_time() + self.space_wait
         said = False
         while True:
             self._look_at_space()
             if (free_bytes(self.staging_dir) >= self.headroom or trio.current_time() >= deadline
-                    or not self.files.changes.could_free_space()):
+                    or not self.changes.could_free_space()):
                 return
             if not said:
                 said = True
                 log.warning("cache disk full: %s waits for uploads to free space", path)
-            await self.files.staging.wait_freed(deadline)
+            await self.staging.wait_freed(deadline)
 
     def check_full(self, node: Inode) -> None:
         """At FLUSH and FSYNC: a file the kernel wrote while the cache disk was full is never

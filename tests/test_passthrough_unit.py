@@ -155,8 +155,9 @@ def _passthrough(mode: str, tmp_path: Path):
     from types import SimpleNamespace
 
     from ckptfs.passthrough import Passthrough
-    files = SimpleNamespace(table=None, staging=SimpleNamespace(dir=str(tmp_path)))
-    return Passthrough(mode, str(tmp_path), None, files, None)  # type: ignore[arg-type]
+    staging = SimpleNamespace(dir=str(tmp_path))
+    return Passthrough(mode, str(tmp_path), uploader=None, table=None, staging=staging,  # type: ignore[arg-type]
+                       cache=None, changes=None, space_wait=0, nursery=None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mode", ["auto", "on"])
