@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -155,9 +156,10 @@ def _passthrough(mode: str, tmp_path: Path):
     from types import SimpleNamespace
 
     from ckptfs.passthrough import Passthrough
-    staging = SimpleNamespace(dir=str(tmp_path))
-    return Passthrough(mode, str(tmp_path), uploader=None, table=None, staging=staging,  # type: ignore[arg-type]
-                       cache=None, changes=None, space_wait=0, nursery=None)  # type: ignore[arg-type]
+    unused: Any = None  # the checks at mount need none of the other components
+    return Passthrough(mode, str(tmp_path), uploader=unused, table=unused,
+                       staging=SimpleNamespace(dir=str(tmp_path)), cache=unused, changes=unused,
+                       space_wait=0, nursery=unused)
 
 
 @pytest.mark.parametrize("mode", ["auto", "on"])
