@@ -112,11 +112,15 @@ class AsyncModeChanges(ChangesBase):
         node.applied()
         rec = entry.rec
         renamed_since = node.unlinked or rec.key != self.table.key_of(node)
+        # Renamed since the entry (a rename in the log after it): S3 holds the object at
+        # `rec.key` all the same, and moves it in that rename's turn. The mount must know it
+        # has an object: an unlink before then appends the delete that removes it (without
+        # it, a file in a directory renamed after its put came back under the new name).
         if rec.op == "put":
             staged = entry.staged
             assert staged is not None
             staged.held = False
-            if etag and not renamed_since:
+            if etag and not node.unlinked:
                 node.stored(etag)
             if node.staged is staged and not node.unlinked:
                 node.published(etag)
