@@ -175,6 +175,10 @@ class CheckpointFS(pyfuse3.Operations):
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                       fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         node = self._inode(inode)
+        if self.passthrough is not None:
+            # What the kernel wrote before this call, first: a time set now (`cp -p`, `rsync
+            # -a` set the mtime before close) must not give way to those writes' own.
+            self.passthrough.refresh(node)
         if fields.update_size:
             self._check_writable()
             if node.is_dir:

@@ -270,13 +270,14 @@ class Passthrough:
         if stamp == b.seen:
             return False
         b.seen = stamp
-        if node.staged is None or node.staged.path != b.path or node.unlinked:
+        if node.staged is None or node.staged.path != b.path:
             return False
         before = node.size
+        # An unlinked file too: fstat through its open descriptors tells what was written.
         node.written_behind(st.st_size, st.st_mtime_ns)
         # A part sent earlier may have been written over since: checked before completion.
         node.upload.unseen_writes = True
-        if node.write_error:
+        if node.write_error or node.unlinked:
             return True  # never uploaded: nothing more streams (its discard waits for parts)
         if st.st_size > before:  # the parts the file grew over may stream now
             self.bytes_grown += st.st_size - before

@@ -546,6 +546,53 @@ def test_replacing_a_file_keeps_the_new_files_mode(mounter: Mounter, s3, prefix:
     assert (fresh.path / "a.pt").read_bytes() == b"new"
 
 
+@pytest.mark.parametrize("durability", ["close", "async"])
+def test_an_unlinked_open_file_reports_what_was_written_through_its_descriptor(
+        mounter: Mounter, s3, prefix: str, durability: str) -> None:
+    """s3fs-fuse's unlink_open_file: create, unlink, write, fsync, read back, fstat, close.
+    Through passthrough the daemon learns of writes from the staged file, and it stopped
+    looking once the name was gone: fstat said 0 bytes (torch.load and zipfile seek to the
+    end of a checkpoint that rotation deletes while an eval process loads it)."""
+    mnt = mounter("--durability", durability)
+    path = mnt.path / "f"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    try:
+        os.unlink(path)
+        assert os.write(fd, b"hello world") == 11
+        os.fsync(fd)
+        assert os.pread(fd, 11, 0) == b"hello world"
+        assert os.fstat(fd).st_size == 11
+        assert os.lseek(fd, 0, os.SEEK_END) == 11
+    finally:
+        os.close(fd)
+    assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    assert s3_keys(s3, prefix) == []
+
+
+@pytest.mark.parametrize("durability", ["close", "async"])
+def test_cp_p_keeps_the_source_mtime(mounter: Mounter, tmp_path: Path, s3, prefix: str,
+                                     durability: str) -> None:
+    """s3fs-fuse's test_update_time_cp_p: `cp -p` (and `rsync -a`) set the mtime while the
+    copy is still open for writing. Through passthrough the writes' own mtime, learned at
+    close from the staged file, replaced it; "the latest checkpoint by mtime" then picks
+    the wrong one."""
+    mnt = mounter("--durability", durability)
+    src = tmp_path / "src.txt"
+    src.write_bytes(b"checkpoint index\n")
+    os.utime(src, (1_000_000_000, 1_000_000_000))
+    subprocess.run(["cp", "-p", str(src), str(mnt.path / "copy.txt")], check=True)
+    st = os.stat(mnt.path / "copy.txt")
+    assert st.st_mtime == 1_000_000_000
+    assert st.st_ctime > 1_000_000_000  # the utime's own change: now
+    assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    mnt.unmount()
+    head = s3.head_object(Bucket=BUCKET, Key=f"{prefix}/copy.txt")
+    assert head["Metadata"]["mtime"].startswith("1000000000")
+    fresh = mounter()
+    assert os.stat(fresh.path / "copy.txt").st_mtime == 1_000_000_000
+    assert (fresh.path / "copy.txt").read_bytes() == b"checkpoint index\n"
+
+
 def test_touch_a_of_a_directory_changes_its_ctime_as_of_a_file(mnt: Mount) -> None:
     # Found by s3fs-fuse's own suite: the kernel sends a file's ctime with an atime-only
     # SETATTR, never a directory's, so the directory's ctime stood still.
