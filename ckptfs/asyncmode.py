@@ -25,6 +25,7 @@ from ckptfs.changes import ChangesBase, LocalCopies
 from ckptfs.errors import Refused
 from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
 from ckptfs.journal import Record
+from ckptfs.listing import keeps_metadata
 from ckptfs.metadata import object_metadata
 from ckptfs.oplog import Entry, OrderedLog
 from ckptfs.renames import files_under, locked
@@ -176,8 +177,13 @@ class AsyncModeChanges(ChangesBase):
             return
         key = self.table.key_of(node)
         if node.is_dir:
-            await self._append(node, Record("", key, True, metadata=object_metadata(node),
-                                            op="object"), b"")
+            marker = node.marker_key
+            if marker is not None and keeps_metadata(marker):  # in place (listing.py)
+                await self._append(node, Record("", marker, True, metadata=object_metadata(node),
+                                                op="meta"))
+            else:
+                await self._append(node, Record("", key, True, metadata=object_metadata(node),
+                                                op="object"), b"")
             return
         if node.dirty or node.writers > 0:
             return  # still being written: the put at close carries it

@@ -214,13 +214,16 @@ class Bucket:
             os.close(fd)
 
     async def copy(self, src: str, dst: str, size: int, metadata: dict[str, str] | None = None,
-                   deadline: float | None = None, etag: str | None = None) -> str:
-        """Server-side copy, returning the new ETag; `metadata` replaces the source's when given.
-        A marked source (its `etag`, s3types.is_marked) is copied in one part: CopyObject
-        would give the copy a plain ETag, and listings would take a symlink for a file."""
+                   deadline: float | None = None, etag: str | None = None,
+                   content_type: str | None = None) -> str:
+        """Server-side copy, returning the new ETag; `metadata` replaces the source's when given
+        (and the Content-Type with it: `content_type`, for a copy of one object onto itself
+        that must keep its own). A marked source (its `etag`, s3types.is_marked) is copied in
+        one part: CopyObject would give the copy a plain ETag, and listings would take a
+        symlink for a file."""
         if size <= COPY_LIMIT and not is_marked(etag, size):
             return await self._retried(f"COPY {dst}", deadline,
-                                       lambda: self.s3.copy(src, dst, metadata))
+                                       lambda: self.s3.copy(src, dst, metadata, content_type))
         if metadata is None:
             metadata = (await self.head(src, deadline=deadline)).metadata
         upload_id = await self.create_multipart(dst, metadata, checksum=False, deadline=deadline)

@@ -22,6 +22,7 @@ from ckptfs.cache import ObjectCache
 from ckptfs.changes import ChangesBase, LocalCopies
 from ckptfs.errors import UploadError
 from ckptfs.inodes import ROOT_INODE, Inode, InodeTable
+from ckptfs.listing import DIRECTORY_TYPE, keeps_metadata
 from ckptfs.metadata import object_metadata
 from ckptfs.queue import UploadQueue
 from ckptfs.renames import Renames, rename_in_s3
@@ -108,7 +109,12 @@ class CloseModeChanges(ChangesBase):
             return
         key = self.table.key_of(node)
         if node.is_dir:
-            await self.s3.put(key, b"", object_metadata(node))
+            marker = node.marker_key
+            if marker is not None and keeps_metadata(marker):
+                await self.s3.copy(marker, marker, 0, object_metadata(node),
+                                   content_type=DIRECTORY_TYPE)
+            else:
+                await self.s3.put(key, b"", object_metadata(node))
             return
         if node.etag is None:
             return

@@ -47,6 +47,14 @@ def is_directory_object(info: ObjectInfo) -> bool:
             and info.content_type.split(";")[0].strip().lower() == DIRECTORY_TYPE)
 
 
+def keeps_metadata(marker_key: str) -> bool:
+    """Whether another tool's marker object of a directory holds the directory's metadata:
+    an s3fs "dir" object does (lookups read its mode there), and a chmod writes it there,
+    in place: a "dir/" beside a "dir" object is refused by stores with real folders
+    (SeaweedFS: ExistingObjectIsFile). A Hadoop "dir_$folder$" holds none."""
+    return not marker_key.endswith(FOLDER_SUFFIX)
+
+
 def folder_marker_of(name: str, info: ObjectInfo) -> str | None:
     """The directory a Hadoop "dir_$folder$" marker stands for, if `name` is one."""
     if info.size == 0 and name.endswith(FOLDER_SUFFIX) and len(name) > len(FOLDER_SUFFIX):

@@ -99,7 +99,8 @@ async def apply_op(renames: Renames, rec: Record, deadline: float) -> str | dict
     if rec.op == "meta":
         try:
             info = await s3.head(rec.key, deadline=deadline)
-            return await s3.copy(rec.key, rec.key, info.size, rec.metadata, deadline, etag=info.etag)
+            return await s3.copy(rec.key, rec.key, info.size, rec.metadata, deadline,
+                                 etag=info.etag, content_type=info.content_type)
         except NoSuchKey:
             log.warning("new metadata for %s: the object is gone from S3", rec.key)
             return None

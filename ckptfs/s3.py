@@ -230,10 +230,13 @@ class S3Client:
             kwargs.update(KeyMarker=r.get("NextKeyMarker", ""),
                           UploadIdMarker=r.get("NextUploadIdMarker", ""))
 
-    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
+                   content_type: str | None = None) -> str:
         kwargs: dict[str, Any] = {"Key": dst, "CopySource": {"Bucket": self.bucket, "Key": src}}
         if metadata is not None:
             kwargs.update(MetadataDirective="REPLACE", Metadata=metadata)
+            if content_type is not None:
+                kwargs["ContentType"] = content_type
         r = await self._call("COPY", dst, self._c.copy_object, **kwargs)
         return etag_of(r.get("CopyObjectResult", {}))
 

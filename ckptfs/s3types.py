@@ -106,7 +106,9 @@ class S3(Protocol):
 
     async def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]: ...
 
-    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
-        """CopyObject (at most 5 GiB); `metadata` replaces the source's when given."""
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
+                   content_type: str | None = None) -> str:
+        """CopyObject (at most 5 GiB); `metadata` replaces the source's when given, and the
+        copy's Content-Type with it (`content_type`, else the store's default)."""
 
     async def delete_many(self, keys: list[str]) -> None: ...

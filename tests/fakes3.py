@@ -50,7 +50,7 @@ class MemoryStore:
         self.objects: dict[str, bytes] = {}
         self.etags: dict[str, str] = {}
         self.meta: dict[str, dict[str, str]] = {}
-        self.content_types: dict[str, str] = {}  # what HEAD answers; set by tests
+        self.content_types: dict[str, str] = {}  # what HEAD answers; set by tests and copies
         self.uploads: dict[str, tuple[str, dict[int, bytes]]] = {}  # id -> (key, parts)
         self.initiated: dict[str, float] = {}
         self.visible: list[tuple[str, str]] = []
@@ -62,6 +62,7 @@ class MemoryStore:
         self.objects[key] = bytes(data)
         self.etags[key] = etag
         self.meta[key] = dict(metadata or {})
+        self.content_types.pop(key, None)  # a new object: no Content-Type unless one is given
         self.visible.append((how, key))
         return etag
 
@@ -188,11 +189,19 @@ class MemoryStore:
         return [(key, upload_id, self.initiated.get(upload_id, 0.0))
                 for upload_id, (key, _) in self.uploads.items() if key.startswith(prefix)]
 
-    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
+                   content_type: str | None = None) -> str:
         data = self._object(src)
+        # As on AWS: replaced metadata replaces the Content-Type too (default: none).
+        kind = self.content_types.get(src) if metadata is None else content_type
         # As on AWS: CopyObject makes a plain ETag.
-        return self._store(dst, data, metadata if metadata is not None else self.meta[src],
+        etag = self._store(dst, data, metadata if metadata is not None else self.meta[src],
                            "copy", hashlib.md5(data).hexdigest())
+        if kind is None:
+            self.content_types.pop(dst, None)
+        else:
+            self.content_types[dst] = kind
+        return etag
 
     async def delete_many(self, keys: list[str]) -> None:
         for key in keys:
@@ -332,8 +341,10 @@ class Faults:
         return await self._attempt("ListMultipartUploads", prefix,
                                    lambda: self.inner.list_uploads(prefix))
 
-    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None) -> str:
-        return await self._attempt("COPY", dst, lambda: self.inner.copy(src, dst, metadata))
+    async def copy(self, src: str, dst: str, metadata: dict[str, str] | None = None,
+                   content_type: str | None = None) -> str:
+        return await self._attempt("COPY", dst,
+                                   lambda: self.inner.copy(src, dst, metadata, content_type))
 
     async def delete_many(self, keys: list[str]) -> None:
         await self._attempt("DELETE", keys, lambda: self.inner.delete_many(keys))

@@ -606,7 +606,9 @@ def test_touch_a_of_a_directory_changes_its_ctime_as_of_a_file(mnt: Mount) -> No
         assert after.st_ctime_ns > before.st_ctime_ns, path
 
 
-def test_directories_other_tools_mark_with_objects_of_their_own(mounter: Mounter, s3, prefix: str) -> None:
+@pytest.mark.parametrize("durability", ["close", "async"])
+def test_directories_other_tools_mark_with_objects_of_their_own(mounter: Mounter, s3, prefix: str,
+                                                                durability: str) -> None:
     # s3fs (and others) mark a directory with a zero-byte "dir" object of Content-Type
     # application/x-directory; Hadoop's connectors with "dir_$folder$". Both show as
     # directories, their marker objects never as files, and nothing is written back.
@@ -618,22 +620,35 @@ def test_directories_other_tools_mark_with_objects_of_their_own(mounter: Mounter
     put("hadoop/part-0000")
     put("hadoopempty_$folder$")
     put("plain", ContentType="application/octet-stream")
+    put("s3fschmod", ContentType="application/x-directory")
     keys_before = s3_keys(s3, prefix)
-    mnt = mounter()
+    mnt = mounter("--durability", durability)
     assert os.path.isdir(mnt.path / "s3fsempty")  # a lookup by name, before any listing
     assert stat.S_IMODE(os.stat(mnt.path / "s3fsdir").st_mode) == 0o700
-    assert sorted(os.listdir(mnt.path)) == ["hadoop", "hadoopempty", "plain", "s3fsdir", "s3fsempty"]
-    for name in ("hadoop", "hadoopempty", "s3fsdir", "s3fsempty"):
+    assert sorted(os.listdir(mnt.path)) == ["hadoop", "hadoopempty", "plain", "s3fschmod",
+                                            "s3fsdir", "s3fsempty"]
+    for name in ("hadoop", "hadoopempty", "s3fschmod", "s3fsdir", "s3fsempty"):
         assert (mnt.path / name).is_dir(), name
     assert os.listdir(mnt.path / "s3fsdir") == ["inner.pt"] and os.listdir(mnt.path / "hadoopempty") == []
     assert (mnt.path / "plain").is_file()
     assert s3_keys(s3, prefix) == keys_before
+    # s3fs-fuse's test_external_no_slash_directory_object: a chmod of such a directory
+    # (it failed with EIO: a "dir/" beside the "dir" object, which SeaweedFS refuses). Its
+    # new mode goes onto s3fs's own object, which stays a directory object.
+    os.chmod(mnt.path / "s3fschmod", 0o700)
+    assert stat.S_IMODE(os.stat(mnt.path / "s3fschmod").st_mode) == 0o700
     os.rmdir(mnt.path / "s3fsempty")
     os.rmdir(mnt.path / "hadoopempty")
     os.rename(mnt.path / "s3fsdir", mnt.path / "moved")
+    assert run_ckptfs("sync", str(mnt.path)).returncode == 0
     keys = s3_keys(s3, prefix)
-    assert not [k for k in keys if k.split("/", 1)[1].startswith(("s3fs", "hadoopempty"))], keys
+    assert not [k for k in keys if k.split("/", 1)[1].startswith(("s3fsdir", "s3fsempty",
+                                                                   "hadoopempty"))], keys
+    head = s3.head_object(Bucket=BUCKET, Key=f"{prefix}/s3fschmod")
+    assert head["ContentType"] == "application/x-directory"
+    assert stat.S_IMODE(int(head["Metadata"]["mode"])) == 0o700
     mnt.unmount()
     again = mounter()
-    assert sorted(os.listdir(again.path)) == ["hadoop", "moved", "plain"]
+    assert sorted(os.listdir(again.path)) == ["hadoop", "moved", "plain", "s3fschmod"]
     assert os.listdir(again.path / "moved") == ["inner.pt"]
+    assert stat.S_IMODE(os.stat(again.path / "s3fschmod").st_mode) == 0o700

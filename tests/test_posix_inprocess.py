@@ -18,6 +18,7 @@ import pyfuse3
 import pytest
 
 from ckptfs.daemon import Mount
+from ckptfs.inodes import ROOT_INODE
 from fakes3 import MemoryS3
 from inprocess import CTX, Kernel, mounted
 
@@ -94,6 +95,23 @@ async def test_directory_rules(world) -> None:
     await kernel.rmdir("d")
     await fails(errno.ENOENT, kernel.resolve("d"))
     assert await in_s3(mount, s3) == {}
+
+
+async def test_a_chmod_of_an_s3fs_directory_object_goes_onto_that_object(world) -> None:
+    """s3fs marks a directory with a zero-byte "dir" object (application/x-directory). Its
+    new mode goes onto that object, in place; a "dir/" marker beside it failed with EIO on
+    stores with real folders (SeaweedFS: ExistingObjectIsFile)."""
+    kernel, mount, s3 = world
+    await s3.put("p/legacy", b"", {})
+    await s3.copy("p/legacy", "p/legacy", 0, {}, content_type="application/x-directory")
+    await kernel.setattr("legacy", mode=0o700)
+    assert stat.S_IMODE((await kernel.stat("legacy")).st_mode) == 0o700
+    assert set(await in_s3(mount, s3)) == {"legacy"}  # no "legacy/" beside it
+    assert s3.content_types["p/legacy"] == "application/x-directory"
+    assert stat.S_IMODE(int(s3.meta["p/legacy"]["mode"])) == 0o700
+    await kernel.drop_caches()
+    mount.fs.ns.invalidate_listing(ROOT_INODE)
+    assert stat.S_IMODE((await kernel.stat("legacy")).st_mode) == 0o700
 
 
 async def test_rename_rules(world) -> None:

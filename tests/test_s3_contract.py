@@ -215,6 +215,20 @@ async def test_copy_keeps_the_bytes_and_replaces_the_metadata(store) -> None:
     assert (await s3.head(p + "same")).metadata["mode"] == "33188"
 
 
+async def test_a_copy_onto_itself_replaces_the_metadata_and_sets_the_content_type(store) -> None:
+    """How an s3fs directory object ("dir", application/x-directory) gets new metadata: a
+    copy onto itself, which must keep it a directory object."""
+    s3, p, _ = store
+    etag = await s3.put(p + "empty", b"", {})
+    await s3.copy(p + "empty", p + "dir", 0, {"mode": "16877"}, etag=etag,
+                  content_type="application/x-directory")
+    await s3.copy(p + "dir", p + "dir", 0, {"mode": "16832"}, content_type="application/x-directory")
+    info = await s3.head(p + "dir")
+    assert (info.metadata["mode"], info.content_type) == ("16832", "application/x-directory")
+    await s3.copy(p + "dir", p + "plain", 0, {"mode": "33188"})  # replaced, and no type given
+    assert (await s3.head(p + "plain")).content_type != "application/x-directory"
+
+
 async def test_deletes(store) -> None:
     s3, p, _ = store
     for key in ("a", "b", "c"):
