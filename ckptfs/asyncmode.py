@@ -266,7 +266,7 @@ class AsyncModeChanges(ChangesBase):
             k for k in (self.table.key_of(dst), dst.marker_key) if k is not None)
         rec = Record("", new_prefix, True, metadata=object_metadata(src), op="dirmove",
                      src=old_prefix, body=json.dumps({"also_delete": also, "replaced": replaced}))
-        token: list[object] = []
+        token: list[object] = []  # the redirect, while S3 holds the objects at the old keys
 
         def effect() -> None:
             src.logged()
@@ -274,15 +274,24 @@ class AsyncModeChanges(ChangesBase):
             token.append(self.table.redirect(new_prefix, old_prefix))
             move()
 
+        def at_new_keys() -> None:
+            if token:
+                self.table.unredirect(token.pop())
+
+        def copied(etags: dict[str, str]) -> None:
+            # S3 holds every object at its new key, and deletes the old ones next: requests
+            # go to the new keys from here (a LIST or GET of the old ones, while they are
+            # deleted, found nothing: a listing emptied of files the kernel had forgotten).
+            at_new_keys()
+            self._moved(src, "", old_prefix, new_prefix, etags)
+
         def done(entry: Entry, etags: Any) -> None:
             src.applied()
-            self.table.unredirect(token[0])
-            if isinstance(etags, dict):
-                self._moved(src, "", entry.rec.src or "", entry.rec.key, etags)
+            at_new_keys()  # (nothing was under the old prefix: nothing was copied)
 
         async with locked(files_under(self.table, src)):
             await self.log.append(rec, new_path, owner=src, on_done=done,
-                                  masks=(old_prefix, *also), effect=effect)
+                                  masks=(old_prefix, *also), effect=effect, on_copied=copied)
 
     def _moved(self, directory: Inode, rel: str, old_prefix: str, new_prefix: str,
                etags: dict[str, str]) -> None:

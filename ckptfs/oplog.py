@@ -73,6 +73,9 @@ class Entry:
     scope: trio.CancelScope | None = None
     appended_at: float = 0.0  # trio time of the append
     awaited: bool = False  # `ckptfs sync` waits for it: its rename grace is over
+    # A directory move: S3 holds every object under the new prefix too (the sources are
+    # deleted next); called with the new ETags, by key relative to the directory.
+    on_copied: Callable[[dict[str, str]], None] | None = None
 
     @property
     def seq(self) -> int:
@@ -83,9 +86,12 @@ class Entry:
         return self.rec.size if self.rec.op == "put" else 0
 
 
-async def apply_op(renames: Renames, rec: Record, deadline: float) -> str | dict[str, str] | None:
+async def apply_op(renames: Renames, rec: Record, deadline: float,
+                   copied: Callable[[dict[str, str]], None] | None = None
+                   ) -> str | dict[str, str] | None:
     """The S3 requests of an entry that is not a put; the new ETag, if the entry made one (a
-    directory's move: {key relative to the directory: new ETag}).
+    directory's move: {key relative to the directory: new ETag}; `copied` is told once the
+    copies are all made, before the sources are deleted).
 
     Each is safe to repeat: recovery replays the entry whose record a crash left behind.
     """
@@ -121,7 +127,7 @@ async def apply_op(renames: Renames, rec: Record, deadline: float) -> str | dict
         extra = json.loads(rec.body or "{}")
         return await renames.move_dir(rec.src, rec.key, rec.metadata,
                                       tuple(extra.get("also_delete", ())),
-                                      tuple(extra.get("replaced", ())))
+                                      tuple(extra.get("replaced", ())), copied)
     raise ValueError(f"not an S3 change: {rec.op}")
 
 
@@ -170,7 +176,8 @@ class OrderedLog(Backlog[int, Entry]):
                      owner: Any = None, on_done: Callable[[Entry, Any], None] | None = None,
                      masks: tuple[str, ...] = (), fresh: bool = False,
                      effect: Callable[[], None] | None = None,
-                     up: FileUpload | None = None) -> Entry:
+                     up: FileUpload | None = None,
+                     on_copied: Callable[[dict[str, str]], None] | None = None) -> Entry:
         """Journal a change as the next of the sequence, then apply `effect` to the mount.
 
         Returns once the record is on disk; S3 gets the change in its turn. `masks`: keys
@@ -193,7 +200,7 @@ class OrderedLog(Backlog[int, Entry]):
             self._next_seq = seq + 1
             entry = Entry(rec, path, staged, owner, on_done, fresh,
                           dict(rec.metadata) if rec.op == "put" else None,
-                          appended_at=trio.current_time(), up=up)
+                          appended_at=trio.current_time(), up=up, on_copied=on_copied)
             self._items[seq] = entry
             for key in masks:
                 self.masks.add(key, seq)
@@ -309,7 +316,7 @@ class OrderedLog(Backlog[int, Entry]):
         rec = entry.rec
         if rec.op != "put":
             await self._turn(entry)
-            return await apply_op(self.renames, rec, self.uploader.deadline())
+            return await apply_op(self.renames, rec, self.uploader.deadline(), entry.on_copied)
         assert entry.staged is not None and entry.metadata is not None
         result = await self.uploader.finish(self._upload_of(entry), entry.staged.path, rec.key, rec.size,
                                             entry.metadata, before_visible=lambda: self._turn(entry))

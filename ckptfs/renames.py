@@ -76,14 +76,17 @@ class Renames:
         return new_etag
 
     async def move_dir(self, src: str, dst: str, metadata: dict[str, str],
-                       also_delete: tuple[str, ...] = (), replaced: tuple[str, ...] = ()
+                       also_delete: tuple[str, ...] = (), replaced: tuple[str, ...] = (),
+                       copied: Callable[[dict[str, str]], None] | None = None
                        ) -> dict[str, str]:
         """Every object under the "dir/" prefix `src` moved under `dst`, under an intent;
         {key relative to the directory: new ETag}. `metadata`: the new marker's, if the
         source has none (an implicit directory). `also_delete`: another tool's marker object
         of the source (listing.is_directory_object), deleted with the sources. `replaced`:
         the marker objects of the empty directory the rename replaces, deleted first (stores
-        with real folders delete a folder recursively: never after the copies)."""
+        with real folders delete a folder recursively: never after the copies). `copied`:
+        told the new ETags once every copy is made, before a source is deleted: from then on
+        the destination is whole, and the sources go."""
         objects = await self.s3.list_keys(src)
         if not objects:
             # Nothing under the source: the move was made before (the log replays an entry
@@ -104,6 +107,8 @@ class Renames:
         except CkptfsError:
             await self._undo(intent, src, dst, objects)
             raise
+        if copied is not None:
+            copied(etags)
         await self._delete_all(src, [o.key for o in objects], also_delete)
         await self.s3.delete(intent)
         return etags

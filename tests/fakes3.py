@@ -227,12 +227,43 @@ class _Rule:
         return self.op == op and (self.key is None or self.key in keys)
 
 
+class Gate:
+    """While shut, the requests that change what S3 shows wait, but for those `let` lets
+    through: a test applies the ordered log one request at a time, at points it chooses."""
+
+    VISIBLE = frozenset({"PUT", "CompleteMultipartUpload", "COPY", "DELETE"})
+
+    def __init__(self) -> None:
+        self.shut = True
+        self.passes = 0
+        self._changed = trio.Event()
+
+    def let(self, n: int) -> None:
+        self.passes += n
+        self._wake()
+
+    def open(self) -> None:
+        self.shut = False
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def enter(self) -> None:
+        while self.shut and self.passes == 0:
+            await self._changed.wait()
+        if self.shut:
+            self.passes -= 1
+
+
 class Faults:
     """Any implementation of the primitives, with faults injected per attempt."""
 
     def __init__(self, inner: S3) -> None:
         self.inner = inner
         self.limiter = inner.limiter
+        self.gate: Gate | None = None  # set by a test: visible requests wait there
         self.rules: list[_Rule] = []
         self.requests: list[tuple[str, str]] = []
         self.left: int | None = None  # attempts until a crash
@@ -275,6 +306,8 @@ class Faults:
         for rule in self.rules:
             if rule.until is not None and rule.matches(op, keys):
                 await rule.until.wait()
+        if self.gate is not None and op in Gate.VISIBLE:
+            await self.gate.enter()
         await trio.lowlevel.checkpoint()
         if (rule := self._take(op, keys, after=False)) is not None:
             raise S3Error(f"{op} {keys[0]}: {rule.code}", rule.code, rule.status)

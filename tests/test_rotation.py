@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from ckptfs.daemon import Mount
-from fakes3 import MemoryS3
+from fakes3 import Gate, MemoryS3
 from inprocess import Kernel, mounted
 
 
@@ -88,3 +88,32 @@ async def test_rm_rf_after_a_directory_rename_whose_files_s3_already_has(
     async with mounted(tmp_path, s3, "async") as fresh:
         assert await Kernel(fresh).listdir("") == []
 
+
+
+async def test_a_directory_being_moved_lists_and_reads_while_s3_deletes_its_old_keys(
+        tmp_path: Path) -> None:
+    """S3 moves a directory in two steps: every copy, then the deletes of the old keys. The
+    mount sent its requests to the old keys until the entry was retired, so between the
+    deletes and the retirement a listing found nothing there, and files the kernel had
+    forgotten vanished from it (found by test_dirtree: a committed checkpoint listed empty)."""
+    s3 = MemoryS3()
+    async with mounted(tmp_path, s3, "async") as mount:
+        kernel = Kernel(mount)
+        await kernel.mkdir("1.tmp")
+        for name in ("a", "b"):
+            await kernel.write(f"1.tmp/{name}", name.encode() * 3)
+        await mount.changes.backlog.drain()
+        s3.faults.gate = gate = Gate()
+        # The intent, the two copies, the new marker, the deletes of the objects: what
+        # is left is the deletes of the emptied folder and of the intent.
+        gate.let(5)
+        await kernel.rename("1.tmp", "1")
+        await until(lambda: gate.passes == 0 and not under(s3, "p/1.tmp/"))
+        await kernel.drop_caches()
+        assert await kernel.listdir("1") == ["a", "b"]
+        assert await kernel.read("1/b") == b"bbb"
+        gate.open()
+        await mount.changes.backlog.drain()
+        assert under(s3, "p/1") == ["p/1/", "p/1/a", "p/1/b"]
+        await kernel.drop_caches()
+        assert await kernel.listdir("1") == ["a", "b"]
