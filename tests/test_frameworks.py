@@ -1,15 +1,20 @@
-"""Unmodified framework code through the mount: torch.save/load, PyTorch DCP, safetensors."""
+"""Unmodified framework code through the mount: torch.save/load, PyTorch DCP, safetensors, Orbax."""
 
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
+import pytest
 import torch
 
-from conftest import BUCKET, Mounter, s3_keys
+from conftest import BUCKET, Mounter, run_ckptfs, s3_keys
 
 MiB = 1024 * 1024
+ORBAXCHECK = Path(__file__).parent / "orbaxcheck.py"
 
 
 def sha256_of_object(s3, key: str) -> str:
@@ -118,3 +123,25 @@ def test_safetensors_save_and_load(mounter: Mounter, s3, prefix: str) -> None:
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
     with safe_open(str(fresh.path / "model.safetensors"), framework="pt") as f:
         assert torch.equal(f.get_tensor("b"), tensors["b"])
+
+
+@pytest.mark.parametrize("durability", ["close", "async"])
+def test_orbax_checkpoint_manager_rotates_and_restores(mounter: Mounter, s3, prefix: str,
+                                                       durability: str) -> None:
+    """Orbax commits a step by renaming its temporary directory and deletes old steps with
+    rmtree from a background thread (in async mode that failed with ENOTEMPTY: issue 44).
+    Five saves with max_to_keep=2, the latest restored; then a restarted job on a fresh
+    mount (an empty cache: every byte from S3) restores it again."""
+    mnt = mounter("--durability", durability)
+    ckpts = mnt.path / "ckpts"
+    r = subprocess.run([sys.executable, str(ORBAXCHECK), str(ckpts), "save"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:] + mnt.log[-3000:]
+    assert run_ckptfs("sync", str(mnt.path)).returncode == 0
+    steps = {k.split("/")[2] for k in s3_keys(s3, prefix + "/ckpts/")}
+    assert steps - {""} == {"3", "4"}  # ("": the directory's own marker object)
+    mnt.unmount()
+    fresh = mounter("--durability", durability)
+    r = subprocess.run([sys.executable, str(ORBAXCHECK), str(fresh.path / "ckpts"), "restore"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
