@@ -272,6 +272,7 @@ class AsyncModeChanges(ChangesBase):
             src.logged()
             src.marked_by(None)  # moved (or deleted) with the rest; a "dir/" marker is made
             token.append(self.table.redirect(new_prefix, old_prefix))
+            self.log.masks.follow(old_prefix, new_prefix)
             move()
 
         def at_new_keys() -> None:

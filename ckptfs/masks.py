@@ -40,6 +40,18 @@ class Masks:
         """Mask `key` (a trailing "/" masks a whole prefix) until entry `seq` is applied."""
         (self._prefixes if key.endswith("/") else self._exact)[key] = seq
 
+    def follow(self, old_prefix: str, new_prefix: str) -> None:
+        """The mount renamed the directory `old_prefix` to `new_prefix`: what was removed
+        under it is removed under the new name too, until the same entries are applied.
+        Masks judge the mount's names, and the name of what S3 still holds under
+        `old_prefix/t/` is `new_prefix/t/` from now on (a temporary directory renamed away,
+        then its parent renamed: without this, it came back under the parent's new name)."""
+        for table in (self._exact, self._prefixes):
+            moved = [(new_prefix + k[len(old_prefix):], s) for k, s in table.items()
+                     if k.startswith(old_prefix) and k != old_prefix]
+            for key, seq in moved:  # (a key masked twice shows again after the later entry)
+                table[key] = max(seq, table.get(key, 0))
+
     def release(self, seq: int) -> None:
         """Entry `seq` is in S3: its keys show again, except through views open now."""
         for table, kind in ((self._exact, "exact"), (self._prefixes, "prefixes")):

@@ -117,3 +117,29 @@ async def test_a_directory_being_moved_lists_and_reads_while_s3_deletes_its_old_
         assert under(s3, "p/1") == ["p/1/", "p/1/a", "p/1/b"]
         await kernel.drop_caches()
         assert await kernel.listdir("1") == ["a", "b"]
+
+
+async def test_a_temporary_directory_renamed_away_stays_gone_after_its_parent_is_renamed(
+        tmp_path: Path) -> None:
+    """`t` saved and committed as `b/b`, then `b` renamed to `a`, all before S3 applied
+    the log: the mask that hides `b/t` while S3 still has it was kept under the name `b/t`,
+    so the mount, now asking for `a/t` (in S3 still under `b/t/`), found the old temporary
+    directory there again, and the next save's mkdir failed with EEXIST (found by
+    test_dirtree)."""
+    s3 = MemoryS3()
+    s3.faults.gate = gate = Gate()
+    gate.let(2)  # b's marker and b/t's; nothing after them
+    async with mounted(tmp_path, s3, "async", metadata_ttl=0) as mount:
+        kernel = Kernel(mount)
+        await kernel.mkdir("b")
+        await kernel.mkdir("b/t")
+        await kernel.write("b/t/x", b"shard")
+        await until(lambda: gate.passes == 0)
+        await kernel.rename("b/t", "b/b")
+        await kernel.rename("b", "a")
+        await kernel.drop_caches()
+        assert await kernel.listdir("a") == ["b"]
+        await kernel.mkdir("a/t")  # the next save
+        gate.open()
+        await mount.changes.backlog.drain()
+        assert under(s3, "p/") == ["p/a/", "p/a/b/", "p/a/b/x", "p/a/t/"]
