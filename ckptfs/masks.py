@@ -41,14 +41,17 @@ class Masks:
         (self._prefixes if key.endswith("/") else self._exact)[key] = seq
 
     def follow(self, old_prefix: str, new_prefix: str) -> None:
-        """The mount renamed the directory `old_prefix` to `new_prefix`: what was removed
-        under it is removed under the new name too, until the same entries are applied.
-        Masks judge the mount's names, and the name of what S3 still holds under
-        `old_prefix/t/` is `new_prefix/t/` from now on (a temporary directory renamed away,
-        then its parent renamed: without this, it came back under the parent's new name)."""
+        """The mount renamed the directory `old_prefix` to `new_prefix` (before that rename's
+        own masks are added): what was removed under it is removed under the new name too,
+        until the same entries are applied. Masks judge the mount's names, and until the
+        rename's copies the mount reads what S3 holds under `old_prefix` through
+        `new_prefix`. So `old_prefix/t/`, a temporary directory renamed away before its
+        parent was renamed, stays gone under the parent's new name; and `old_prefix` itself,
+        an earlier directory of that name renamed away (`t` committed as `a`, a new `t`
+        committed as `b`), does not show its files under `b`."""
         for table in (self._exact, self._prefixes):
             moved = [(new_prefix + k[len(old_prefix):], s) for k, s in table.items()
-                     if k.startswith(old_prefix) and k != old_prefix]
+                     if k.startswith(old_prefix)]
             for key, seq in moved:  # (a key masked twice shows again after the later entry)
                 table[key] = max(seq, table.get(key, 0))
 

@@ -202,10 +202,10 @@ class OrderedLog(Backlog[int, Entry]):
                           dict(rec.metadata) if rec.op == "put" else None,
                           appended_at=trio.current_time(), up=up, on_copied=on_copied)
             self._items[seq] = entry
+            if effect is not None:
+                effect()  # (before its masks: a directory rename's carries the earlier ones)
             for key in masks:
                 self.masks.add(key, seq)
-            if effect is not None:
-                effect()
             log.debug("log entry %d: %s %s", seq, rec.op, path)
             self._nursery.start_soon(self._run, entry)
             self._notify()

@@ -282,7 +282,10 @@ def test_directory_trees_agree_with_the_model_while_s3_lags_and_the_kernel_forge
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             Trees.nursery = nursery
+            # The suite explores the same examples every run (a timing-dependent failure
+            # must not come and go with the seed); DIRTREE_RANDOM=1 explores new ones.
             await trio.to_thread.run_sync(lambda: run_state_machine_as_test(Trees, settings=settings(
                 max_examples=60, stateful_step_count=40, deadline=None, database=None,
+                derandomize=not os.environ.get("DIRTREE_RANDOM"),
                 suppress_health_check=list(HealthCheck))))
     trio.run(main)

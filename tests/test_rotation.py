@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pyfuse3
 import pytest
 import trio
 
@@ -151,6 +152,36 @@ async def test_a_temporary_directory_renamed_away_stays_gone_after_its_parent_is
         await mount.changes.backlog.drain()
         assert under(s3, "p/") == ["p/a/", "p/a/b/", "p/a/b/x", "p/a/t/"]
 
+
+
+async def test_a_second_temporary_directory_of_the_same_name_shows_only_its_own_files(
+        tmp_path: Path) -> None:
+    """Two saves through the same temporary name before S3 applied the first's rename: `t`
+    committed as `a`, a new `t` committed as `b`. Until S3 moves them, the new names read
+    from `t/`, where S3 still held the first save's files: `b/y` showed the first save's
+    `y` (found by test_dirtree)."""
+    s3 = MemoryS3()
+    s3.faults.gate = gate = Gate()
+    gate.let(3)  # t's marker and the first save's two files; nothing after them
+    async with mounted(tmp_path, s3, "async", metadata_ttl=0) as mount:
+        kernel = Kernel(mount)
+        await kernel.mkdir("t")
+        await kernel.write("t/x", b"first x")
+        await kernel.write("t/y", b"first y")
+        await kernel.rename("t", "a")
+        await kernel.mkdir("t")
+        await kernel.write("t/x", b"second x")
+        await kernel.rename("t", "b")
+        await until(lambda: gate.passes == 0)
+        await kernel.drop_caches()
+        assert await kernel.listdir("b") == ["x"]
+        assert await kernel.read("b/x") == b"second x"
+        with pytest.raises(pyfuse3.FUSEError):
+            await kernel.stat("b/y")
+        gate.open()
+        await mount.changes.backlog.drain()
+        assert {k: v for k, v in s3.objects.items() if not k.endswith("/")} == {
+            "p/a/x": b"first x", "p/a/y": b"first y", "p/b/x": b"second x"}
 
 # ----- through real mounts ---------------------------------------------------------------
 
