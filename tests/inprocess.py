@@ -35,6 +35,19 @@ async def mounted(tmp_path: Path, s3: MemoryS3, durability: str, **options) -> A
         nursery.cancel_scope.cancel()
 
 
+async def serve(tmp_path: Path, durability: str, s3: MemoryS3, n: int, stop: trio.Event, *,
+                task_status=trio.TASK_STATUS_IGNORED, **options) -> None:
+    """One mount's components over `s3` (cache dir number `n`) until `stop`, for
+    `nursery.start`: a state machine's mount, and the fresh one that checks S3 after it."""
+    config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
+                    cache_dir=str(tmp_path / f"cache{n}"), durability=durability, upload_timeout=10,
+                    **options)
+    async with trio.open_nursery() as nursery:
+        task_status.started(await build_mount(config, s3, nursery))  # type: ignore[arg-type]
+        await stop.wait()
+        nursery.cancel_scope.cancel()
+
+
 def _split(path: str) -> tuple[str, bytes]:
     parent, _, name = path.rpartition("/")
     return parent, name.encode()

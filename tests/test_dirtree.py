@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from ckptfs.config import Config
-from ckptfs.daemon import Mount, build_mount
+import inprocess
+from ckptfs.daemon import Mount
 from fakes3 import Gate, MemoryS3
 from inprocess import Kernel
 from test_lookups import check_tree
@@ -64,15 +64,7 @@ def test_directory_trees_agree_with_the_model_while_s3_lags_and_the_kernel_forge
     real_monotonic, offset = time.monotonic, [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + offset[0])
     runs = iter(range(10**6))
-
-    async def serve(s3: MemoryS3, n: int, stop: trio.Event, task_status) -> None:
-        config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
-                        cache_dir=str(tmp_path / f"cache{n}"), durability=durability,
-                        upload_timeout=10, metadata_ttl=TTL)
-        async with trio.open_nursery() as nursery:
-            task_status.started(await build_mount(config, s3, nursery))  # type: ignore[arg-type]
-            await stop.wait()
-            nursery.cancel_scope.cancel()
+    serve = functools.partial(inprocess.serve, tmp_path, durability, metadata_ttl=TTL)
 
     class Trees(RuleBasedStateMachine):
         nursery: trio.Nursery

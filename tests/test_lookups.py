@@ -11,6 +11,7 @@ The same workload through a real mount, with `drop_caches`, is in test_posix.py.
 from __future__ import annotations
 
 import errno
+import functools
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from ckptfs.daemon import Mount, build_mount
 from ckptfs.inodes import ROOT_INODE
 from ckptfs.listing import SYMLINK_MAX
 from fakes3 import MemoryS3
+import inprocess
 from inprocess import CTX, Kernel
 
 TTL = 1.0
@@ -42,16 +44,7 @@ def test_every_lookup_agrees_with_the_model_while_the_kernel_forgets(
     real_monotonic, offset = time.monotonic, [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + offset[0])
     runs = iter(range(10**6))
-
-    async def serve(s3: MemoryS3, n: int, stop: trio.Event, task_status) -> None:
-        """One mount's components over `s3`, until `stop`."""
-        config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
-                        cache_dir=str(tmp_path / f"cache{n}"), durability=durability,
-                        upload_timeout=10, metadata_ttl=TTL)
-        async with trio.open_nursery() as nursery:
-            task_status.started(await build_mount(config, s3, nursery))  # type: ignore[arg-type]
-            await stop.wait()
-            nursery.cancel_scope.cancel()
+    serve = functools.partial(inprocess.serve, tmp_path, durability, metadata_ttl=TTL)
 
     class Lookups(RuleBasedStateMachine):
         nursery: trio.Nursery
