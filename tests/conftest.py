@@ -204,7 +204,7 @@ def mounter_on_both_paths(request: pytest.FixtureRequest, s3_server: S3Server, t
 @pytest.fixture
 def proxied(s3_server: S3Server, tmp_path: Path, prefix: str):
     """(FaultProxy, Mounter): mounts that reach the S3 server through a fault-injecting proxy."""
-    from faultproxy import FaultProxy
+    from devtools.faultproxy import FaultProxy
 
     with FaultProxy(s3_server.endpoint) as proxy:
         mounter = Mounter(dataclasses.replace(s3_server, endpoint=proxy.endpoint), tmp_path, prefix)

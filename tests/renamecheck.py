@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import BUCKET, Mounter, force_unmount, run_ckptfs  # noqa: E402
 from crashcheck import daemon_pid, discard, wait_dead  # noqa: E402
-from faultproxy import FaultProxy  # noqa: E402
+from devtools.faultproxy import FaultProxy  # noqa: E402
 
 from devtools import devserver  # noqa: E402
 

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from conftest import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server
-from faultproxy import FaultProxy
+from devtools.faultproxy import FaultProxy
 
 from ckptfs.bucket import Bucket
 from ckptfs.checksum import b64_crc32

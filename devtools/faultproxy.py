@@ -3,12 +3,15 @@
 Faults: answer chosen methods (or requests a predicate picks) with an error
 status; at set rates, answer 503 SlowDown or 500 InternalError, reset the
 connection, or delay the answer; corrupt the bodies of some PUT
-requests; hold requests until released.
+requests. And an outage (`outage()`): every request hangs (the connection is accepted and the
+request read, never answered), or the port refuses connections, or every request is answered
+503 SlowDown, until the outage ends.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import http.client
 import random
 import socket
@@ -43,6 +46,10 @@ class FaultProxy:
         self.put_sha256: collections.Counter[str] = collections.Counter()  # x-amz-content-sha256 of PUTs with a body
         self.random = random.Random(1234)
         self.lock = threading.Lock()
+        self._outage: str | None = None
+        self._restored = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self.hung = 0  # requests held by a "hang" outage
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,6 +57,16 @@ class FaultProxy:
 
             def log_message(self, *args) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                with proxy.lock:
+                    proxy._conns.add(self.connection)
+
+            def finish(self) -> None:
+                with proxy.lock:
+                    proxy._conns.discard(self.connection)
+                super().finish()
 
             def _error(self, status: int, code: bytes) -> None:
                 msg = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>' + code +
@@ -87,6 +104,17 @@ class FaultProxy:
                     proxy.counts[kind] += 1
                     if self.headers.get("x-amz-copy-source"):
                         proxy.copies += 1  # server-side copies (rename, metadata)
+                outage = proxy._outage
+                if outage == "hang":
+                    with proxy.lock:
+                        proxy.hung += 1
+                    proxy._restored.wait()
+                    self.close_connection = True  # never answered: the client gave up long ago
+                    return
+                if outage == "503":
+                    proxy.failed += 1
+                    self._error(503, b"SlowDown")
+                    return
                 if proxy.delay:
                     time.sleep(proxy.delay)
                 if self.command in proxy.fail_methods or (
@@ -144,14 +172,49 @@ class FaultProxy:
             def handle_error(self, request, client_address) -> None:
                 pass  # clients that die mid-request (a SIGKILLed daemon) are expected here
 
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._server_class, self._handler = Server, Handler
+        self.server: ThreadingHTTPServer | None = Server(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def _listen(self) -> None:
+        if self.server is None:  # the same port again, after a "refuse" outage
+            self.server = self._server_class(("127.0.0.1", self.port), self._handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _stop_listening(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def outage(self, kind: str | None) -> None:
+        """Fail every request from now on: "hang", "refuse" or "503"; None ends the outage.
+        "refuse" stands for a server that died: the port is closed (connecting is refused)
+        and the connections open to it are cut."""
+        if kind not in (None, "hang", "refuse", "503"):
+            raise ValueError(f"unknown outage {kind!r}")
+        if kind == self._outage:
+            return
+        if self._outage == "refuse":
+            self._listen()
+        self._restored.clear()
+        self._outage = kind
+        if kind is None:
+            self._restored.set()  # held requests end, unanswered
+        elif kind == "refuse":
+            self._stop_listening()
+            with self.lock:
+                conns = list(self._conns)
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
 
     def __enter__(self) -> FaultProxy:
-        self._thread.start()
+        self._listen()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._outage = None
+        self._restored.set()
+        self._stop_listening()
