@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -27,7 +28,7 @@ import trio
 from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.parts import GiB
-from ckptfs.retry import RetryPolicy
+from ckptfs.retry import RetryPolicy, attempt_deadline
 from ckptfs.s3types import S3, ListPage, ObjectInfo, is_marked, needs_mark
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,16 @@ class Bucket:
     async def delete_many(self, keys: list[str], deadline: float | None = None) -> None:
         if keys:
             await self._retried(f"DELETE {keys[0]}", deadline, lambda: self.s3.delete_many(keys))
+
+    async def probe(self, prefix: str) -> None:
+        """One LIST of one key under `prefix`, not retried, given `timeout` (at most 10 s) for
+        its answer: does S3 answer at all? (health.py's probe during an outage)"""
+        token = attempt_deadline.set(time.monotonic() + min(10.0, self.timeout))
+        try:
+            with trio.fail_after(min(10.0, self.timeout) + 5):
+                await self.s3.list_page(prefix, None, "/", 1)
+        finally:
+            attempt_deadline.reset(token)
 
     # ----- helpers ------------------------------------------------------------------
 

@@ -264,6 +264,7 @@ def _status(mountpoint: str, as_json: bool) -> int:
           f"{_human(st['cache_bytes'])} of {_human(st['cache_budget'])}")
     if "passthrough" in st:
         print(f"passthrough: {'on' if st['passthrough'] else 'off'} ({st['passthrough_reason']})")
+    print("S3: " + _s3_state(st))
     for p in pending[:20]:
         print(f"  {p['path']}  {_human(p['size'])}" + (f"  last error: {p['error']}" if p["error"] else ""))
     if len(pending) > 20:
@@ -283,6 +284,14 @@ def _status(mountpoint: str, as_json: bool) -> int:
     print("spot notice: " + (f"{notice.get('action', '?')} at {notice.get('time', '?')}" if notice
                              else "none"))
     return 0
+
+
+def _s3_state(st: dict) -> str:
+    if not st.get("s3_down_since"):
+        return f"answering ({st.get('s3_outages', 0)} outages since the mount)"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["s3_down_since"]))
+    return (f"NOT ANSWERING since {since} ({st['s3_down_seconds']:.0f}s: {st['s3_down_reason']}); "
+            f"{st['pending_files']} changes pending ({_human(st['pending_bytes'])})")
 
 
 def _alive(pid: int) -> bool:

@@ -32,7 +32,7 @@ from ckptfs.config import Config
 from ckptfs.errors import MountError, raise_first_error
 from ckptfs.files import OpenFiles
 from ckptfs.fs import CheckpointFS
-from ckptfs.inodes import InodeTable
+from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.journal import Journal
 from ckptfs.metrics import Stats
 from ckptfs.metrics import serve as serve_metrics
@@ -55,6 +55,8 @@ from ckptfs.zerocopy import SendfileSender
 log = logging.getLogger(__name__)
 
 READY = "READY"
+# How long an async-mode lookup waits for S3 before the mount's own knowledge answers.
+PATIENCE = 1.0
 
 
 def _clear_dead_mount(path: str) -> None:
@@ -243,7 +245,13 @@ async def build_mount(config: Config, s3: Bucket, nursery: trio.Nursery,
         changes = CloseModeChanges(s3=s3, table=table, uploader=uploader, records=records, cache=cache,
                                 staging=staging, local=local, nursery=nursery, renames=renames)
         masks = None
-    ns = Namespace(s3, table, uid, gid, config.metadata_ttl, masks=masks)
+    # Async mode: lookups answer from what the mount knows when S3 does not within a second.
+    ns = Namespace(s3, table, uid, gid, config.metadata_ttl, masks=masks,
+                   patience=PATIENCE if config.durability == "async" else None, nursery=nursery)
+    s3.policy.health.start(nursery, lambda: s3.probe(config.prefix),
+                           pending=lambda: len(changes.backlog.pending()))
+    if config.durability == "async":
+        await ns.learn(ROOT_INODE)  # its names are then known through an outage
     reader = ChunkReader(s3, cache, memory_budget=config.read_memory, nursery=nursery)
     files = OpenFiles(s3=s3, table=table, ns=ns, staging=staging, cache=cache, uploader=uploader,
                       records=records, reader=reader, changes=changes, local=local)
@@ -258,7 +266,8 @@ async def build_mount(config: Config, s3: Bucket, nursery: trio.Nursery,
     stats = Stats({"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
                    "cache_dir": config.cache_dir, "durability": config.durability,
                    "recovery": report.as_dict()},
-                  [uploader, *counted, reader, cache, files, changes, journal, fs, passthrough],
+                  [uploader, *counted, reader, cache, files, changes, journal, fs, passthrough,
+                   s3.policy.health, ns],
                   draining=lambda: fs.draining, pending=changes.backlog.pending)
     return Mount(fs, files, changes, uploader, reader, oplog, journal, staging, stats)
 

@@ -166,7 +166,7 @@ class CheckpointFS(pyfuse3.Operations):
         if (not node.is_dir and not node.is_local and node.etag is not None
                 and node.open_handles == 0 and not self.ns.fresh(node.validated_at)):
             try:
-                await self.ns.reload(node)
+                await self.ns.revalidate(node)
             except NoSuchKey:
                 pass  # removed behind our back; the next lookup finds out
         return self._attrs(node)

@@ -64,6 +64,8 @@ class Stats:
                 f"{s['uploads_in_flight']} in flight, {s['uploads_done']} done")
         if s["failed"]:
             text += f", {len(s['failed'])} failing"
+        if s.get("s3_down_since"):
+            text = f"S3 not answering for {s['s3_down_seconds']:.0f}s; " + text
         if s["draining"]:
             text = "draining: " + text
         if s["spot_notice"]:
@@ -121,6 +123,11 @@ class _Collector:
         yield gauge("uploads_in_flight", "Uploads and streamed parts in flight", s["uploads_in_flight"])
         yield gauge("cache_bytes", "Bytes in the on-disk read cache (clean copies and chunks)",
                     s["cache_bytes"])
+        yield gauge("s3_unanswered_seconds", "Seconds since S3 last answered, during an outage "
+                    "(0 while it answers)", s.get("s3_down_seconds", 0.0))
+        yield counter("s3_outages", "Times S3 stopped answering", s.get("s3_outages", 0))
+        yield counter("stale_answers", "Async-mode lookups answered from what the mount knows "
+                      "while S3 owed an answer", s.get("stale_answers", 0))
         yield gauge("draining", "1 while the mount drains before unmounting", int(s["draining"]))
         yield gauge("spot_interruption_notice", "1 once a spot interruption notice arrived",
                     int(bool(s["spot_notice"])))

@@ -4,6 +4,13 @@ A directory is a common prefix or a zero-byte `dir/` marker object. Keys that
 cannot be a POSIX path (empty, `.` or `..` components, components over 255
 bytes) are left out, each with one warning. Answers from S3 are trusted for
 `metadata_ttl` seconds; the mount's own changes are always authoritative.
+
+In async mode (`patience` set) the trainer never waits on S3 for what the mount knows: a
+name it made, listed or looked up before, a directory whose listing it holds. Past the TTL
+S3 is asked, and its answer used if it comes within `patience` (a second); if it does not,
+or S3 fails, or S3 is known to be out (health.py) or still owes an earlier answer, the last
+known answer stands and the question goes on in the background. A name the mount never
+knew still waits for S3.
 """
 
 from __future__ import annotations
@@ -12,18 +19,19 @@ import contextlib
 import logging
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import cachetools
 import trio
 
 from ckptfs.bucket import Bucket
-from ckptfs.errors import NoSuchKey
+from ckptfs.errors import NoSuchKey, S3Error
 from ckptfs.inodes import ROOT_INODE, SPECIAL_TYPES, Inode, InodeTable
 from ckptfs.listing import (SYMLINK_MAX, Listing, is_directory_object, page_entries, read_listing,
                             sort_key)
 from ckptfs.masks import Masks, no_masks
-from ckptfs.metadata import parse_stamp
+from ckptfs.objectattrs import apply_dir_metadata, apply_object, int_or, kind_changed, kind_of
+from ckptfs.patience import STALE, Patience, Stale
 from ckptfs.s3types import ListPage, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -34,28 +42,21 @@ RESERVED_NAME = ".ckptfs"
 KEY_MAX = 1024
 
 
+
+
 def is_reserved(parent: Inode, name: str) -> bool:
     return parent.ino == ROOT_INODE and name == RESERVED_NAME
 
 
-def _kind_of(info: ObjectInfo) -> int:
-    """The file type a HEADed object stands for: a symlink, a special file, or a plain file."""
-    kind = stat.S_IFMT(_int(info.metadata.get("mode"), 0))
-    if kind == stat.S_IFLNK or (kind in SPECIAL_TYPES and info.size == 0):
-        return kind
-    return stat.S_IFREG
-
-
-def _kind_changed(child: Inode, info: ObjectInfo) -> bool:
-    """A HEAD says the object is of another type than the table's inode (a symlink or special
-    file where it has a plain one, or the other way round): the kernel needs a new inode."""
-    return stat.S_IFMT(child.mode) != _kind_of(info) and child.open_handles == 0
-
-
 class Namespace:
     def __init__(self, s3: Bucket, table: InodeTable, uid: int, gid: int, ttl: float,
-                 masks: Masks | None = None) -> None:
+                 masks: Masks | None = None, patience: float | None = None,
+                 nursery: trio.Nursery | None = None) -> None:
         self.s3 = s3
+        # Async mode: how long a question S3 owes an answer is waited for before the mount's
+        # own knowledge answers (None: close mode, every question waits for S3).
+        self.patience = patience
+        self._asked = Patience(s3.policy.health if patience is not None else None, patience, nursery)
         # Keys (and "dir/" prefixes) S3 still shows but the mount removed: deletes and renames
         # waiting their turn in the ordered log. They never come back from S3.
         self._masks = masks
@@ -70,10 +71,26 @@ class Namespace:
         table.on_drop = self.dropped
         self._rechecking: dict[int, trio.Event] = {}  # dir inode -> a recheck page in flight
         self._warned: set[str] = set()
-        # Names S3 just said do not exist: `stat` of a missing checkpoint in a polling loop,
-        # or a framework probing for optional files, costs no request while the answer is fresh.
-        self._absent: cachetools.TTLCache[tuple[int, str], bool] = cachetools.TTLCache(
-            maxsize=65536, ttl=max(ttl, 1e-3), timer=time.monotonic)
+        # Names S3 said do not exist, and when: `stat` of a missing checkpoint in a polling
+        # loop, or a framework probing for optional files, costs no request while the answer
+        # is fresh (and in async mode, a stale one stands while S3 does not answer).
+        self._absent: cachetools.LRUCache[tuple[int, str], float] = cachetools.LRUCache(65536)
+
+    def stats(self) -> dict[str, int]:
+        return self._asked.stats()
+
+    def _absent_at(self, dir_ino: int, name: str) -> float | None:
+        return self._absent.get((dir_ino, name))
+
+    def _known(self, parent: Inode, name: str) -> Inode | None | Stale:
+        """What the mount knows of `name`, however old: its inode, None (absent from the
+        directory's listing, or S3 said so), or STALE if it never knew."""
+        child = self._child(parent, name)
+        if child is not None:
+            return child
+        if parent.ino in self._listed or (parent.ino, name) in self._absent:
+            return None
+        return STALE
 
     def masks(self) -> contextlib.AbstractContextManager[Callable[[str], bool]]:
         """Take this before asking S3, and judge its answers through it (masks.py)."""
@@ -128,26 +145,10 @@ class Namespace:
             log.warning("left out of listings: %r (%s)", key, why)
 
     def apply_object(self, inode: Inode, info: ObjectInfo, with_metadata: bool) -> None:
-        """Refresh a clean inode from an S3 object (HEAD with metadata, or a LIST entry)."""
-        inode.listed(info.size, info.etag)
-        mtime_default = int(info.last_modified * 10**9)
-        if with_metadata:
-            md = info.metadata
-            kind = stat.S_IFMT(inode.mode)
-            try:
-                mode = int(md["mode"]) if "mode" in md else None
-            except ValueError:
-                mode = None
-            if mode is not None and stat.S_IFMT(mode) not in (0, kind):
-                mode = None
-            inode.set_attributes(mode=mode, uid=_int(md.get("uid"), self.uid),
-                                 gid=_int(md.get("gid"), self.gid),
-                                 mtime_ns=parse_stamp(md.get("mtime"), mtime_default),
-                                 ctime_ns=parse_stamp(md.get("ctime"), inode.ctime_ns))
-            inode.described()
-        elif not inode.meta_known:
-            inode.set_attributes(mtime_ns=mtime_default)
-        inode.times_at_least_mtime()
+        apply_object(inode, info, with_metadata, self.uid, self.gid)
+
+    def _apply_dir_meta(self, inode: Inode, md: dict[str, str]) -> None:
+        apply_dir_metadata(inode, md, self.uid, self.gid)
 
     async def reload(self, inode: Inode, key: str | None = None) -> None:
         """HEAD the file's object (at `key`; by default its own name) and take its attributes,
@@ -167,10 +168,10 @@ class Namespace:
 
     def _new_file(self, parent: Inode, name: str, info: ObjectInfo, with_metadata: bool) -> Inode:
         md = info.metadata
-        kind = _kind_of(info) if with_metadata else stat.S_IFREG
+        kind = kind_of(info) if with_metadata else stat.S_IFREG
         mode = kind | (0o777 if kind == stat.S_IFLNK else 0o644)  # bits follow in apply_object
         inode = self.table.add(parent.ino, name, mode, self.uid, self.gid,
-                               rdev=_int(md.get("rdev"), 0) if kind in SPECIAL_TYPES else 0)
+                               rdev=int_or(md.get("rdev"), 0) if kind in SPECIAL_TYPES else 0)
         self.apply_object(inode, info, with_metadata)
         return inode
 
@@ -191,8 +192,24 @@ class Namespace:
         listed = self._listed.get(parent.ino)
         if listed is not None and self.fresh(listed):
             return child  # the listing answered for every name it saw
-        if child is None and (parent.ino, name) in self._absent:
+        absent = self._absent_at(parent.ino, name)
+        if child is None and absent is not None and self.fresh(absent):
             return None
+        if self.patience is None:
+            return await self._lookup(parent, name)
+        known = self._known(parent, name)
+        if known is STALE:  # never known: S3 must say
+            return await self._lookup(parent, name)
+        answer = await self._asked(lambda: self._lookup(parent, name))
+        if answer is STALE:
+            known = self._known(parent, name)  # (the table may have changed meanwhile)
+            return None if known is STALE else known  # type: ignore[return-value]
+        return answer  # type: ignore[return-value]
+
+    async def _lookup(self, parent: Inode, name: str) -> Inode | None:
+        """Ask S3 about `name` (its own masks view: it may go on after the caller stopped
+        waiting for it)."""
+        child = self._child(parent, name)
         key = self.table.key_of(parent) + name
         with self.masks() as masked:
             if masked(key) and masked(key + "/"):
@@ -256,8 +273,7 @@ class Namespace:
                 return child
             if child is not None:
                 self.table.detach(child)
-            if self.ttl > 0:
-                self._absent[(parent.ino, name)] = True
+            self._absent[(parent.ino, name)] = time.monotonic()
             return None
         if child is not None and not child.is_dir:
             return self._refresh_file(parent, child, info, with_metadata=True)
@@ -351,8 +367,7 @@ class Namespace:
         if not covered or masked(key):
             return False, None
         self.table.detach(child)  # gone from S3
-        if self.ttl > 0:
-            self._absent[(parent.ino, name)] = True
+        self._absent[(parent.ino, name)] = time.monotonic()
         return True, None
 
     async def _load_dir_meta(self, inode: Inode, marker: str) -> None:
@@ -362,16 +377,53 @@ class Namespace:
             return
         self._apply_dir_meta(inode, info.metadata)
 
-    def _apply_dir_meta(self, inode: Inode, md: dict[str, str]) -> None:
-        inode.set_attributes(mode=_int(md.get("mode"), 0o755), uid=_int(md.get("uid"), self.uid),
-                             gid=_int(md.get("gid"), self.gid),
-                             mtime_ns=parse_stamp(md.get("mtime"), inode.mtime_ns))
-        inode.described()
-
     async def list_dir(self, directory: Inode) -> list[Inode]:
-        """Every entry of `directory`: S3's listing merged with the mount's local changes."""
-        with self.masks() as masked:
-            return await self._list_dir(directory, masked)
+        """Every entry of `directory`: S3's listing merged with the mount's local changes (in
+        async mode, while S3 does not answer, the mount's last listing and changes since)."""
+        async def listing() -> list[Inode]:
+            with self.masks() as masked:
+                return await self._list_dir(directory, masked)
+        if self.patience is None or directory.ino not in self._listed:
+            return await listing()
+        answer = await self._asked(listing)
+        return self._known_entries(directory) if answer is STALE else answer  # type: ignore[return-value]
+
+    def _known_entries(self, directory: Inode) -> list[Inode]:
+        """The directory's entries as the mount knows them: the table's, and the ones the
+        kernel forgot since its listing, put back."""
+        forgotten = self._forgotten.get(directory.ino, {})
+        for name in list(forgotten):
+            inode = forgotten.pop(name)
+            if self.table.child(directory.ino, name) is None:
+                self.table.revive(inode)
+        return sorted(self.table.children(directory.ino), key=lambda i: i.name)
+
+    async def is_empty(self, directory: Inode, ask: Callable[[], Awaitable[bool]]) -> bool:
+        """`ask()`, whether S3 holds nothing under the directory (tree.py); in async mode, while
+        S3 does not answer, whether the mount's last listing and changes since leave nothing."""
+        if self.patience is None or directory.ino not in self._listed:
+            return await ask()
+        answer = await self._asked(ask)
+        if answer is STALE:
+            return not self._known_entries(directory)
+        return answer  # type: ignore[return-value]
+
+    async def revalidate(self, inode: Inode) -> None:
+        """`reload` for a stat past the TTL; in async mode, while S3 does not answer, the
+        attributes the mount has stand."""
+        await self._asked(lambda: self.reload(inode))
+
+    async def learn(self, ino: int) -> None:
+        """List the directory `ino` now (async mode, the root at mount time): its names are
+        then known through an outage. A failure only leaves them unknown."""
+        directory = self.table.get(ino)
+        assert directory is not None
+        try:
+            await self.list_dir(directory)
+            # Known, but not fresh: a lookup of a name it did not show asks S3 as before.
+            self._listed[ino] = time.monotonic() - self.ttl - 1.0
+        except S3Error as exc:
+            log.warning("could not list %s: %s", self.table.path_of(directory) or "the root", exc)
 
     async def _list_dir(self, directory: Inode, masked: Callable[[str], bool]) -> list[Inode]:
         while True:
@@ -426,7 +478,7 @@ class Namespace:
                 child.confirmed()
             else:
                 info = headed.get(name, files[name])
-                if child is None or child.is_dir or (name in headed and _kind_changed(child, info)):
+                if child is None or child.is_dir or (name in headed and kind_changed(child, info)):
                     child = self._new_file(directory, name, info, with_metadata=name in headed)
                 else:
                     child = self._refresh_file(directory, child, info, with_metadata=name in headed)
@@ -445,9 +497,3 @@ class Namespace:
         entries.sort(key=lambda i: i.name)
         return entries
 
-
-def _int(text: str | None, default: int) -> int:
-    try:
-        return int(text) if text is not None else default
-    except ValueError:
-        return default

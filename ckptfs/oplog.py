@@ -344,8 +344,10 @@ class OrderedLog(Backlog[int, Entry]):
                     log.exception("applying %s failed unexpectedly; retrying", entry.path)
                 entry.error = str(exc) or type(exc).__name__
                 entry.attempts += 1
-                log.warning("%s of %s failed (attempt %d); everything after it waits: %s",
-                            entry.rec.op, entry.path, entry.attempts, entry.error)
+                # While S3 is out, the outage's own line says it (health.py).
+                log.log(logging.DEBUG if self.uploader.policy.health.down else logging.WARNING,
+                        "%s of %s failed (attempt %d); everything after it waits: %s",
+                        entry.rec.op, entry.path, entry.attempts, entry.error)
                 self._notify()
                 attempt = await self.uploader.policy.changes.sleep(attempt)
                 continue

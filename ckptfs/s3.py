@@ -10,6 +10,7 @@ retries are off, so attempts never multiply.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from ckptfs.bodies import FileRange, crc_of_range, send_in_pieces
 from ckptfs.buffers import BufferBudget
 from ckptfs.checksum import b64_crc32, crc32
 from ckptfs.errors import S3Error
+from ckptfs.retry import remaining
 from ckptfs.s3types import ListPage, ObjectInfo
 from ckptfs.s3wire import etag_of, mapped, read_body_into, read_body_to_files, timestamp
 
@@ -53,8 +55,22 @@ def make_boto_client(endpoint_url: str | None, region: str | None, profile: str 
         response_checksum_validation="when_required",
         s3=_S3_CONFIG | ({"addressing_style": "path"} if endpoint_url else {}),
     )
-    return session.client("s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
-                          config=config)
+    client = session.client("s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
+                            config=config)
+    client.meta.events.register("before-send.s3", functools.partial(
+        _bounded, connect_timeout, read_timeout))
+    return client
+
+
+def _bounded(connect_timeout: float, read_timeout: float, request: Any, **_: Any) -> None:
+    """The request's socket timeouts end at its attempt's deadline (retry.attempt_deadline):
+    a hung server is given up on then, whatever the client's read timeout says. (botocore
+    takes a read timeout from the request's context; its connect timeout stays its own, a
+    few seconds.)"""
+    context = getattr(request, "context", None)
+    left = remaining()
+    if isinstance(context, dict) and left is not None:
+        context["read_timeout"] = min(read_timeout, left)
 
 
 class S3Client:

@@ -56,13 +56,16 @@ class Tree:
             return False
         key = self.table.key_of(node)
         physical = self.table.physical(key)  # (a directory rename waiting in the log)
-        if not self.changes.backlog.pending():
-            return not await self.s3.has_children(physical)
-        # S3 may still hold objects the mount removed (deletes waiting their turn in async
-        # mode; in close mode nothing is masked, and this is the same question, slower).
-        with self.ns.masks() as masked:
-            return all(o.key == physical or masked(key + o.key[len(physical):])
-                       for o in await self.s3.list_keys(physical))
+
+        async def ask() -> bool:
+            if not self.changes.backlog.pending():
+                return not await self.s3.has_children(physical)
+            # S3 may still hold objects the mount removed (deletes waiting their turn in async
+            # mode; in close mode nothing is masked, and this is the same question, slower).
+            with self.ns.masks() as masked:
+                return all(o.key == physical or masked(key + o.key[len(physical):])
+                           for o in await self.s3.list_keys(physical))
+        return await self.ns.is_empty(node, ask)
 
     async def rmdir(self, parent: Inode, node: Inode) -> None:
         if not await self.dir_is_empty(node):

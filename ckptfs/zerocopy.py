@@ -33,6 +33,7 @@ from botocore.awsrequest import AWSResponse
 
 from ckptfs.bodies import FileRange, thread_buffer
 from ckptfs.errors import LocalWriteError, S3Error
+from ckptfs.retry import remaining
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,11 @@ class SendfileSender:
         if conn is None:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             self._local.conn = conn
+        # No longer than the attempt's deadline (retry.attempt_deadline): connecting, and each
+        # send and receive.
+        conn.timeout = remaining(self.timeout)
+        if conn.sock is not None:
+            conn.sock.settimeout(conn.timeout)
         return conn
 
     def _send(self, conn: http.client.HTTPConnection, request: Any, body: FileRange) -> AWSResponse:

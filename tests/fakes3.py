@@ -12,7 +12,10 @@ Three parts, as in production:
   - `lose_answer(op)`: the request takes effect, then its answer is lost (a reset);
   - `hold(op, until)`: every attempt of `op` waits for the trio.Event `until` first;
   - `crash_after(n)`: after n more attempts, every attempt raises `Crash` (the daemon died:
-    nothing it sends later reaches S3); `crash_after(None)` lets them through again.
+    nothing it sends later reaches S3); `crash_after(None)` lets them through again;
+  - `outage(kind)`: every attempt fails as against a whole server gone: "hang" (no answer
+    until the attempt's deadline, as a socket timeout ends it), "refuse" (connection refused
+    at once) or "503" (SlowDown); `outage(None)` ends it.
   `requests` records (op, key) of every attempt.
 - `MemoryS3` is what the components get: ckptfs.bucket.Bucket (retries and helpers) over
   `Faults` over a `MemoryStore`, with the store's state at hand for assertions.
@@ -36,7 +39,7 @@ from ckptfs.bodies import scatter
 from ckptfs.bucket import Bucket
 from ckptfs.checksum import b64_crc32, crc32, crc32_of_parts
 from ckptfs.errors import NoSuchKey, S3Error
-from ckptfs.retry import RetryPolicy
+from ckptfs.retry import RetryPolicy, remaining
 from ckptfs.s3types import S3, ListPage, ObjectInfo
 
 T = TypeVar("T")
@@ -267,6 +270,31 @@ class Faults:
         self.rules: list[_Rule] = []
         self.requests: list[tuple[str, str]] = []
         self.left: int | None = None  # attempts until a crash
+        self._outage: str | None = None
+        self._healed = trio.Event()
+        self.hung = 0  # attempts a "hang" outage held to their deadline
+
+    def outage(self, kind: str | None) -> None:
+        assert kind in (None, "hang", "refuse", "503")
+        self._outage = kind
+        if kind is None:
+            self._healed.set()
+        elif self._healed.is_set():
+            self._healed = trio.Event()
+
+    async def _outage_fault(self, op: str, key: str) -> None:
+        if self._outage == "hang":
+            self.hung += 1
+            left = remaining()  # the attempt's deadline: the client's socket timeout
+            with trio.move_on_after(left if left is not None else 60.0):
+                await self._healed.wait()
+            # (healed meanwhile or not, this request is never answered)
+            raise S3Error(f"{op} {key}: Read timeout on endpoint URL", "ReadTimeoutError", None, True)
+        if self._outage == "refuse":
+            raise S3Error(f"{op} {key}: Could not connect to the endpoint URL",
+                          "EndpointConnectionError", None, True)
+        if self._outage == "503":
+            raise S3Error(f"{op} {key}: SlowDown", "SlowDown", 503)
 
     def crash_after(self, attempts: int | None) -> None:
         self.left = attempts
@@ -303,6 +331,8 @@ class Faults:
                 raise Crash(op)
             self.left -= 1
         self.requests.append((op, keys[0] if keys else ""))
+        if self._outage is not None:
+            await self._outage_fault(op, keys[0] if keys else "")
         for rule in self.rules:
             if rule.until is not None and rule.matches(op, keys):
                 await rule.until.wait()

@@ -27,9 +27,9 @@ CTX = pyfuse3.RequestContext()
 
 @asynccontextmanager
 async def mounted(tmp_path: Path, s3: MemoryS3, durability: str, **options) -> AsyncIterator[Mount]:
+    options.setdefault("upload_timeout", 10)
     config = Config(source="s3://bucket/p/", mountpoint=str(tmp_path / "mnt"),
-                    cache_dir=str(tmp_path / "cache"), durability=durability, upload_timeout=10,
-                    **options)
+                    cache_dir=str(tmp_path / "cache"), durability=durability, **options)
     async with trio.open_nursery() as nursery:
         yield await build_mount(config, s3, nursery)  # type: ignore[arg-type]
         nursery.cancel_scope.cancel()
