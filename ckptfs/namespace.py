@@ -321,12 +321,12 @@ class Namespace:
         pending = self._rechecking.get(parent.ino)
         if pending is not None:  # another lookup's page may cover this name: wait for it
             await pending.wait()
-            child = self.table.child(parent.ino, name)
+            child = self._child(parent, name)
             if child is not None and (child.is_local or self.fresh(child.validated_at)):
                 return True, child
         done = trio.Event()
         self._rechecking[parent.ino] = done
-        before = self.table.child(parent.ino, name)
+        before = self._child(parent, name)
         etag_before = before.etag if before is not None else None
         dir_key = self.table.key_of(parent)
         key = dir_key + name
@@ -349,7 +349,13 @@ class Namespace:
                 known.confirmed(now)
             elif info.etag == known.etag:  # changed ones get a new inode on their own lookup
                 self.apply_object(known, info, with_metadata=False)
-        child = self.table.child(parent.ino, name)
+        # The kernel may have forgotten the inode while the page was out (a FORGET racing
+        # the LOOKUP that follows `drop_caches`): dropped is not gone, the page judges it.
+        child = self._child(parent, name)
+        if child is None and before is not None and not before.unlinked:
+            child = self.table.revive(before)
+        if child is None and name in seen:
+            return False, None  # (not known here: the full lookup makes its inode)
         if child is None or child.is_local or (child is before and child.etag != etag_before):
             return True, child  # (the mount changed it while S3 answered: the answer predates)
         if name in seen:
