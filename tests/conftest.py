@@ -211,6 +211,7 @@ def proxied(s3_server: S3Server, tmp_path: Path, prefix: str):
         try:
             yield proxy, mounter
         finally:
+            proxy.outage(None)
             proxy.fail_methods = set()
             proxy.fail_when = None
             proxy.corrupt_parts = 0
