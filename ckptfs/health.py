@@ -48,6 +48,7 @@ class Health:
         self._nursery: trio.Nursery | None = None
         self._pending: Callable[[], int] = lambda: 0
         self._unanswered: float | None = None  # (time.monotonic())
+        self.last_answer = 0.0  # (time.monotonic())
 
     def start(self, nursery: trio.Nursery, probe: Callable[[], Awaitable[Any]],
               pending: Callable[[], int] = lambda: 0) -> None:
@@ -63,6 +64,7 @@ class Health:
         return time.monotonic() - self._down_mono if self.down else 0.0
 
     def answered(self) -> None:
+        self.last_answer = time.monotonic()
         self._unanswered = None
         if not self.down:
             return

@@ -2,9 +2,10 @@
 
 A lookup, listing or stat past the TTL asks S3 (`Patience.__call__`). Its answer is used if
 it comes within `patience` (a second). If it does not, or S3 fails for a transient reason,
-or S3 is out (health.py), or an earlier question is still unanswered past `patience`, the
-caller gets STALE at once and answers from the mount's knowledge; the question goes on in
-the background, and its answer, when it comes, updates the table as any answer does.
+the caller gets STALE and answers from the mount's knowledge; so it does at once while S3 is
+out (health.py), or while an earlier question is unanswered past `patience` and nothing S3
+was asked since has been answered either. The question goes on in the background, and its
+answer, when it comes, updates the table as any answer does.
 Close mode (no patience) waits for every answer.
 """
 
@@ -49,7 +50,11 @@ class Patience:
     def _stalled(self) -> bool:
         now = time.monotonic()
         assert self.health is not None and self.patience is not None
-        return self.health.down or any(now - t > self.patience for t in self._asking.values())
+        # A question out for longer than the patience with no answer from S3 to anything
+        # since it was sent: S3 is not answering, though no request has failed yet.
+        answered = self.health.last_answer
+        return self.health.down or any(now - t > self.patience and t > answered
+                                       for t in self._asking.values())
 
     async def __call__(self, ask: Callable[[], Awaitable[T]]) -> T | Stale:
         """ask()'s answer, or STALE (see the module's docstring)."""
