@@ -52,6 +52,17 @@ def remaining(cap: float | None = None) -> float | None:
     return left if cap is None else min(cap, left)
 
 
+# Throttling is S3 asking for less: an outage for health.py's purposes (one probe, then the rest).
+_THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "ServiceUnavailable"})
+
+
+def _unanswered(exc: S3Error) -> bool:
+    """The failure says S3 is not there, or not serving: no connection, a timeout, a 5xx,
+    throttling. (A retryable 4xx, a body damaged on the way, was answered.)"""
+    return (exc.status is None or exc.status >= 500 or exc.status == 429
+            or exc.code in _THROTTLED)
+
+
 class Hurry:
     """Fired by a spot notice: backoff sleeps in progress end when it is."""
 
@@ -117,7 +128,11 @@ class RetryPolicy:
                 if not exc.retryable:
                     health.answered()  # refused, but answered
                     raise
-                health.trouble(str(exc), sent)
+                outage = _unanswered(exc)
+                if outage:
+                    health.trouble(str(exc), sent)
+                else:
+                    health.answered()  # (a body damaged on the way, say: S3 is there)
                 delay = self.requests.delay(attempt)
                 if trio.current_time() + delay >= deadline:
                     raise UploadError(
@@ -127,7 +142,8 @@ class RetryPolicy:
                 self.retries += 1
                 attempt += 1
                 # (Counted in status; an outage that lasts gets a line of its own: health.py.)
-                log.debug("%s failed (attempt %d), retrying in %.1fs: %s", what, attempt, delay, exc)
+                log.log(logging.DEBUG if outage else logging.WARNING,
+                        "%s failed (attempt %d), retrying in %.1fs: %s", what, attempt, delay, exc)
                 if await self.hurry.sleep(delay):
                     attempt = 0
             else:
