@@ -42,8 +42,6 @@ RESERVED_NAME = ".ckptfs"
 KEY_MAX = 1024
 
 
-
-
 def is_reserved(parent: Inode, name: str) -> bool:
     return parent.ino == ROOT_INODE and name == RESERVED_NAME
 
