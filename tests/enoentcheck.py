@@ -48,11 +48,11 @@ def main() -> int:
                 n = 0
                 for _ in range(args.tries):
                     drop()
-                    if listed:
-                        os.listdir(os.path.dirname(path))
                     try:
+                        if listed:
+                            os.listdir(os.path.dirname(path))
                         os.stat(path)
-                    except FileNotFoundError:
+                    except FileNotFoundError:  # (of the directory's listing, or the file)
                         n += 1
                     time.sleep(args.pause)
                 misses += n
