@@ -113,8 +113,13 @@ class RetryPolicy:
         attempt = 0
         started = trio.current_time()
         health = self.health
+        budget = deadline - started
         while True:
-            if not await health.wait_answering(deadline):
+            # During an outage a call waits for the probe no longer than its whole budget from
+            # the outage's start: one that S3 has not answered for that long fails now (the
+            # kernel sends LOOKUP again when one fails: it must not take twice the timeout).
+            wait_until = min(deadline, trio.current_time() + max(0.0, budget - health.down_for()))
+            if not await health.wait_answering(wait_until):
                 raise UploadError(f"{what}: S3 has not answered for {health.down_for():.0f}s "
                                   f"({health.why})", "", None, True)
             sent = time.monotonic()
