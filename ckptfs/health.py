@@ -2,8 +2,8 @@
 
 Every attempt's outcome comes here (retry.RetryPolicy.call). An answer of any kind, an
 object or a 404 or a refusal, means S3 is there. A failure for S3's own reasons (no
-connection, a timeout, a 5xx, SlowDown) or a lookup left unanswered past its patience
-(namespace.py) starts an outage, unless one is on already.
+connection, a timeout, a 5xx, SlowDown) starts an outage, unless S3 answered another
+request after the failed one was sent (one request's SlowDown is not an outage).
 
 During an outage nothing but one probe goes to S3 (`wait_answering`: requests wait for the
 probe instead of being sent, each until its own deadline), so a recovering S3 is not met
@@ -88,10 +88,12 @@ class Health:
         return time.monotonic() - since if since is not None else 0.0
 
     def trouble(self, why: str, since: float | None = None) -> None:
-        """A request failed for S3's reasons (`since`: when it was sent, time.monotonic())."""
-        if self.down:
-            return
+        """A request failed for S3's reasons (`since`: when it was sent, time.monotonic()).
+        If S3 answered another request since then, this is one request's failure (a SlowDown
+        among many answers), not an outage: nothing waits for a probe."""
         now = time.monotonic()
+        if self.down or self.last_answer > (since if since is not None else now):
+            return
         start = min(x for x in (now, since, self._unanswered) if x is not None)
         self.down_since = time.time() - (now - start)
         self._down_mono = start

@@ -6,11 +6,9 @@ bytes) are left out, each with one warning. Answers from S3 are trusted for
 `metadata_ttl` seconds; the mount's own changes are always authoritative.
 
 In async mode (`patience` set) the trainer never waits on S3 for what the mount knows: a
-name it made, listed or looked up before, a directory whose listing it holds. Past the TTL
-S3 is asked, and its answer used if it comes within `patience` (a second); if it does not,
-or S3 fails, or S3 is known to be out (health.py) or still owes an earlier answer, the last
-known answer stands and the question goes on in the background. A name the mount never
-knew still waits for S3.
+name it made, listed or looked up before, a directory whose listing it holds. Past the TTL,
+S3 gets `patience` (a second) to answer; then the last known answer stands (patience.py). A
+name the mount never knew still waits for S3.
 """
 
 from __future__ import annotations
@@ -347,13 +345,11 @@ class Namespace:
                 known.confirmed(now)
             elif info.etag == known.etag:  # changed ones get a new inode on their own lookup
                 self.apply_object(known, info, with_metadata=False)
-        # The kernel may have forgotten the inode while the page was out (a FORGET racing
-        # the LOOKUP that follows `drop_caches`): dropped is not gone, the page judges it.
-        child = self._child(parent, name)
+        child = self._child(parent, name)  # (dropped by a FORGET meanwhile is not gone)
         if child is None and before is not None and not before.unlinked:
             child = self.table.revive(before)
-        if child is None and name in seen:
-            return False, None  # (not known here: the full lookup makes its inode)
+        if child is None and name in seen:  # (not known here: the full lookup makes its inode)
+            return False, None
         if child is None or child.is_local or (child is before and child.etag != etag_before):
             return True, child  # (the mount changed it while S3 answered: the answer predates)
         if name in seen:

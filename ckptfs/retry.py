@@ -120,8 +120,9 @@ class RetryPolicy:
             # kernel sends LOOKUP again when one fails: it must not take twice the timeout).
             wait_until = min(deadline, trio.current_time() + max(0.0, budget - health.down_for()))
             if not await health.wait_answering(wait_until):
-                raise UploadError(f"{what}: S3 has not answered for {health.down_for():.0f}s "
-                                  f"({health.why})", "", None, True)
+                raise UploadError(
+                    f"{what}: gave up after {attempt} attempts in {trio.current_time() - started:.0f}s: "
+                    f"S3 has not answered for {health.down_for():.0f}s ({health.why})", "", None, True)
             sent = time.monotonic()
             token = attempt_deadline.set(sent + deadline - trio.current_time())
             try:
