@@ -120,9 +120,9 @@ class Health:
                 return
             if not self._logged and self.down_for() >= LOG_AFTER:
                 self._logged = True
-                log.warning("S3 has not answered since %s (%s); lookups answer from what the "
-                            "mount knows, changes wait", time.strftime(
-                                "%H:%M:%S", time.localtime(self.down_since)), self.why)
+                log.warning("S3 has not answered since %s (%s); requests wait for it to answer "
+                            "a probe (async mode: lookups answer from what the mount knows)",
+                            time.strftime("%H:%M:%S", time.localtime(self.down_since)), self.why)
             self.probes += 1
             try:
                 assert self._probe is not None
