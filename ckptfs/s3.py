@@ -57,12 +57,11 @@ def make_boto_client(endpoint_url: str | None, region: str | None, profile: str 
     )
     client = session.client("s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
                             config=config)
-    client.meta.events.register("before-send.s3", functools.partial(
-        _bounded, connect_timeout, read_timeout))
+    client.meta.events.register("before-send.s3", functools.partial(_bounded, read_timeout))
     return client
 
 
-def _bounded(connect_timeout: float, read_timeout: float, request: Any, **_: Any) -> None:
+def _bounded(read_timeout: float, request: Any, **_: Any) -> None:
     """The request's socket timeouts end at its attempt's deadline (retry.attempt_deadline):
     a hung server is given up on then, whatever the client's read timeout says. (botocore
     takes a read timeout from the request's context; its connect timeout stays its own, a
