@@ -74,18 +74,18 @@ class Bucket:
                            lambda at, first, done: self.s3.get_ranges_into(
                                key, at, outs[first:], etag, done))
 
-    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
+    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int, int]],
                                   etag: str | None = None,
                                   filled: Callable[[int], None] | None = None) -> int:
-        """As get_ranges_into, into the files `targets` ((fd, length): each from its offset
-        0). A file that cannot be written raises LocalWriteError (an OSError), never retried.
-        Returns the bytes the kernel spliced from the socket."""
+        """As get_ranges_into, into the files `targets` ((fd, length, offset): `length` bytes
+        into the file at `offset`). A file that cannot be written raises LocalWriteError (an
+        OSError), never retried. Returns the bytes the kernel spliced from the socket."""
         spliced = 0
 
         async def attempt(at: int, first: int, done: Callable[[int], None]) -> None:
             nonlocal spliced
             spliced += await self.s3.get_ranges_to_files(key, at, targets[first:], etag, done)
-        await self._ranged(key, start, [n for _, n in targets], filled, attempt)
+        await self._ranged(key, start, [n for _, n, _ in targets], filled, attempt)
         return spliced
 
     async def _ranged(self, key: str, start: int, lengths: list[int],

@@ -2,7 +2,9 @@
 
 Entries live in CACHE_DIR/cache/ as plain files named `<hash(key)>-<hash(etag)>-<part>`:
 `all` is a whole object (a written file whose upload finished is moved in here, so reading
-it back costs no GET), a number is one chunk fetched from S3. Because the ETag is in the
+it back costs no GET, or an object fetched whole), `partial` an object being fetched into
+its own file (each chunk at its offset; which chunks are in is known in memory only, so a
+partial file does not outlive its mount), a number is one chunk fetched from S3. Because the ETag is in the
 name, an entry can only ever answer for the exact version it holds; when a new version of
 a key is cached the entries of the old one are deleted. The index is rebuilt from the
 directory at mount (oldest mtime evicted first), so the cache survives a remount.
@@ -14,6 +16,7 @@ chunks run in worker threads.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 _MAX_FDS = 256
 
 
+@functools.lru_cache(maxsize=4096)  # every read asks for its chunk's name
 def _h(text: str, n: int) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:n]
 
@@ -38,6 +42,8 @@ class ObjectCache:
         self._lru: OrderedDict[str, int] = OrderedDict()  # name -> bytes
         self._by_key: dict[str, set[str]] = {}  # key hash -> names
         self._fds: OrderedDict[str, int] = OrderedDict()  # open entries, LRU
+        self._partial: dict[str, Partial] = {}  # objects being fetched into their own file
+        self.objects_received = 0  # fetched whole into one file: no assembly needed
         self.evicted = 0
         self._load()
 
@@ -51,14 +57,15 @@ class ObjectCache:
         return os.path.join(self.dir, name)
 
     def stats(self) -> dict[str, int]:
-        return {"cache_bytes": self.total, "cache_budget": self.budget}
+        return {"cache_bytes": self.total, "cache_budget": self.budget,
+                "objects_received_whole": self.objects_received}
 
     def _load(self) -> None:
         found = []
         for name in os.listdir(self.dir):
             path = self._path(name)
-            if name.endswith(".tmp"):
-                os.unlink(path)  # a chunk write that never finished
+            if name.endswith((".tmp", "-partial")):
+                os.unlink(path)  # a chunk write that never finished, an object never whole
                 continue
             if name.count("-") != 2:
                 continue
@@ -90,6 +97,9 @@ class ObjectCache:
         fd = self._fds.pop(name, None)
         if fd is not None:
             os.close(fd)
+        partial = self._partial.pop(name, None)
+        if partial is not None:
+            partial.close()
         kh = name.split("-", 1)[0]
         names = self._by_key.get(kh)
         if names is not None:
@@ -130,6 +140,10 @@ class ObjectCache:
         where that file starts: the whole object if it is cached, else the chunk's own file.
         Descriptors stay open (LRU); an entry of the wrong size (torn) is dropped."""
         want = min(chunk_size, size - index * chunk_size)
+        partial = self._partial.get(self._name(key, etag, "partial"))
+        if partial is not None and index in partial.present:
+            self._lru.move_to_end(partial.name)
+            return partial.rfd, 0
         for part, base, expect in (("all", 0, size), (str(index), index * chunk_size, want)):
             name = self._name(key, etag, part)
             if name not in self._lru:
@@ -268,6 +282,68 @@ class ObjectCache:
             return
         self.adopt(key, etag, tmp, size)
 
+    # ----- objects fetched into their own file ----------------------------------
+
+    def receiving(self, key: str, etag: str, size: int) -> Partial | None:
+        """The file the object's chunks are fetched into, each at its offset (made at the
+        first call; each chunk's bytes count against the budget as it lands); None if the
+        object should not be fetched whole (over half the budget) or the file cannot be made.
+        The caller writes through a dup of `wfd` (eviction closes the partial's own)."""
+        name = self._name(key, etag, "partial")
+        partial = self._partial.get(name)
+        if partial is not None:
+            return partial
+        if size > self.budget // 2 or self._name(key, etag, "all") in self._lru:
+            return None
+        self._drop_other_versions(key, etag)
+        path = self._path(name)
+        try:
+            wfd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.debug("read cache: cannot make %s: %s", name, exc)
+            return None
+        try:
+            rfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            os.close(wfd)
+            _unlink(path)
+            return None
+        partial = self._partial[name] = Partial(name, path, size, wfd, rfd)
+        self._add(name, 0)
+        return partial
+
+    def chunk_received(self, partial: Partial, index: int, chunks: int, length: int) -> bool:
+        """Chunk `index` (`length` bytes) of a partial object is in its file; once all
+        `chunks` are, the file becomes the whole object (a rename: no copy). True if it did."""
+        if self._partial.get(partial.name) is not partial or index in partial.present:
+            return False  # evicted or replaced meanwhile: the bytes went to an unlinked file
+        partial.present.add(index)
+        self._lru[partial.name] += length
+        self._lru.move_to_end(partial.name)
+        self.total += length
+        self._evict(keep=partial.name)
+        if len(partial.present) < chunks:
+            return False
+        whole = partial.name[:-len("partial")] + "all"
+        del self._partial[partial.name]
+        self._discard(partial.name)  # (its descriptors stay open: this reader keeps them)
+        try:
+            os.rename(partial.path, self._path(whole))
+        except OSError as exc:
+            log.debug("read cache: could not publish %s: %s", whole, exc)
+            partial.close()
+            return False
+        os.close(partial.wfd)
+        self._add(whole, partial.size)
+        self._fds[whole] = partial.rfd
+        while len(self._fds) > _MAX_FDS:
+            os.close(self._fds.popitem(last=False)[1])
+        kh = whole.split("-", 1)[0]
+        for name in [n for n in self._by_key.get(kh, ()) if n.split("-")[2].isdigit()]:
+            self._remove(name)  # chunks of this version cached before are redundant
+        self.objects_received += 1
+        return True
+
     # ----- chunks --------------------------------------------------------------
 
     def chunk_tmp(self, key: str, etag: str, index: int) -> tuple[str, str]:
@@ -286,6 +362,29 @@ class ObjectCache:
         os.rename(tmp, self._path(name))
         self._add(name, size)
         self._evict(keep=name)
+
+
+class Partial:
+    """An object being fetched into its own file of the cache."""
+
+    def __init__(self, name: str, path: str, size: int, wfd: int, rfd: int) -> None:
+        self.name, self.path, self.size = name, path, size
+        self.wfd, self.rfd = wfd, rfd  # for fetches (dup'd by each), for readers
+        self.present: set[int] = set()  # chunk indexes whose bytes are all in the file
+
+    def close(self) -> None:
+        for fd in (self.wfd, self.rfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def concatenate(fds: list[int], dest: str, size: int, chunk_size: int) -> None:

@@ -264,6 +264,11 @@ def _status(mountpoint: str, as_json: bool) -> int:
           f"{_human(st['cache_bytes'])} of {_human(st['cache_budget'])}")
     if "passthrough" in st:
         print(f"passthrough: {'on' if st['passthrough'] else 'off'} ({st['passthrough_reason']})")
+    if "opens_daemon" in st:
+        print(f"opens: {st['opens_passthrough_cached']} passthrough of cached objects "
+              f"({_human(st['bytes_opened_passthrough'])} opened), "
+              f"{st['opens_passthrough_staged']} passthrough of staged files, "
+              f"{st['opens_daemon']} served by the daemon ({_human(st['bytes_read_daemon'])} read)")
     print("S3: " + _s3_state(st))
     for p in pending[:20]:
         print(f"  {p['path']}  {_human(p['size'])}" + (f"  last error: {p['error']}" if p["error"] else ""))

@@ -34,6 +34,7 @@ from ckptfs.files import OpenFiles
 from ckptfs.fs import CheckpointFS
 from ckptfs.inodes import ROOT_INODE, InodeTable
 from ckptfs.journal import Journal
+from ckptfs.localread import SLICES_SUPPORTED
 from ckptfs.metrics import Stats
 from ckptfs.metrics import serve as serve_metrics
 from ckptfs.namespace import Namespace
@@ -252,7 +253,7 @@ async def build_mount(config: Config, s3: Bucket, nursery: trio.Nursery,
                            pending=lambda: len(changes.backlog.pending()))
     if config.durability == "async":
         await ns.learn(ROOT_INODE)  # its names are then known through an outage
-    reader = ChunkReader(s3, cache, memory_budget=config.read_memory, nursery=nursery)
+    reader = ChunkReader(s3, cache, memory_budget=config.read_memory, nursery=nursery, slices=SLICES_SUPPORTED)
     files = OpenFiles(s3=s3, table=table, ns=ns, staging=staging, cache=cache, uploader=uploader,
                       records=records, reader=reader, changes=changes, local=local)
     tree = Tree(s3=s3, table=table, ns=ns, uploader=uploader, records=records, changes=changes,

@@ -31,6 +31,7 @@ from ckptfs.changes import Changes, LocalCopies
 from ckptfs.errors import CkptfsError, NoSpace
 from ckptfs.handles import ReadStream
 from ckptfs.inodes import Inode, InodeTable
+from ckptfs.localread import Reply, reply_size
 from ckptfs.metadata import object_metadata
 from ckptfs.namespace import Namespace
 from ckptfs.opener import Opener, killing_signal
@@ -160,10 +161,10 @@ class OpenFiles:
 
     # ----- read and write -------------------------------------------------------
 
-    async def read(self, node: Inode, off: int, size: int, stream: ReadStream) -> bytes | memoryview:
+    async def read(self, node: Inode, off: int, size: int, stream: ReadStream) -> Reply:
         if node.staged is not None:
             data = await self.reader.read_local(node.staged.fd, size, off)
-            self.local_read_bytes += len(data)
+            self.local_read_bytes += reply_size(data)
             return data
         if node.etag is None or off >= node.size:
             return b""

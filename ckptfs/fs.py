@@ -26,6 +26,7 @@ from ckptfs.handles import fail as _fail
 from ckptfs.handles import guarded as _guarded
 from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
 from ckptfs.listing import NAME_MAX
+from ckptfs.localread import Reply, reply_size
 from ckptfs.namespace import KEY_MAX, Namespace, is_reserved
 from ckptfs.opener import opener_of
 from ckptfs.passthrough import Passthrough
@@ -59,11 +60,20 @@ class CheckpointFS(pyfuse3.Operations):
         self._handles: dict[int, Handle | DirHandle] = {}
         self._next_fh = 1
         self.requests: collections.Counter[str] = collections.Counter()  # FUSE requests, by op
+        # Which path each open took, and the bytes each served (status, metrics): the kernel
+        # reads a passthrough handle's file itself, unseen, so for those the bytes opened.
+        self.opens = collections.Counter({"passthrough_staged": 0, "passthrough_cached": 0,
+                                          "daemon": 0})
+        self.bytes_read = 0  # replied to READs by the daemon (from its threads or its loop)
+        self.bytes_opened_passthrough = 0  # sizes of the files read opens passed through
         # How a READDIR entry reaches the kernel (tests/inprocess.py, with no kernel, collects them).
         self.reply_entry: Callable[..., bool] = pyfuse3.readdir_reply
 
     def stats(self) -> dict[str, Any]:
-        return {"fuse_requests": dict(self.requests)}
+        return {"fuse_requests": dict(self.requests),
+                **{f"opens_{path}": n for path, n in self.opens.items()},
+                "bytes_read_daemon": self.bytes_read,
+                "bytes_opened_passthrough": self.bytes_opened_passthrough}
 
     # ----- helpers -------------------------------------------------------
 
@@ -372,6 +382,12 @@ class CheckpointFS(pyfuse3.Operations):
                     self.table.object_key(node), node.etag, node.size), False
             handle.backing_id, handle.direct_io, pages_valid = pt.open(
                 node, path, handle.writable, staged)
+        if handle.backing_id and not handle.direct_io:
+            self.opens["passthrough_staged" if node.staged is not None else "passthrough_cached"] += 1
+            if not handle.writable:
+                self.bytes_opened_passthrough += node.size
+        else:
+            self.opens["daemon"] += 1
         if handle.backing_id:
             node.pages_bypassed()
             return pyfuse3.FileInfo(fh=self._new_fh(handle), backing_id=handle.backing_id,
@@ -395,10 +411,12 @@ class CheckpointFS(pyfuse3.Operations):
             await trio.sleep(0.005)
 
     @_guarded
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> Reply:
         handle = self._file_handle(fh)
         try:
-            return await self.files.read(handle.inode, off, size, handle.stream)  # type: ignore[return-value]
+            data = await self.files.read(handle.inode, off, size, handle.stream)
+            self.bytes_read += reply_size(data)
+            return data
         except NoSuchKey:  # not ENOENT: read(2) of an open file has no such meaning
             log.warning("read of %s: the object was deleted from S3 while open here",
                         self.table.path_of(handle.inode))

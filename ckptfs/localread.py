@@ -1,5 +1,6 @@
-"""Local files read without a copy (LocalView, a mapping replied from) and chunk files
-written to the disk cache (store_file: O_DIRECT where the file system allows it)."""
+"""Local files read without a copy (FileSlice, sent by pyfuse3's threads, else LocalView, a
+mapping replied from) and chunk files written to the disk cache (store_file: O_DIRECT where
+the file system allows it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,30 @@ import mmap
 import os
 
 from ckptfs.parts import MiB
+
+try:  # ckptfs's pyfuse3 (third_party/): a read's reply sent from a file by a worker thread
+    from pyfuse3 import FileSlice
+    SLICES_SUPPORTED = True
+except ImportError:  # a stock pyfuse3: replies are bytes from the FUSE loop
+    SLICES_SUPPORTED = False
+
+    class FileSlice:  # type: ignore[no-redef]  # never made: ChunkReader.slices stays off
+        def __init__(self, fd: int, offset: int, size: int) -> None:
+            self.fd, self.offset, self.size = fd, offset, size
+
+Reply = bytes | memoryview | FileSlice  # what a read handler returns to pyfuse3
+
+
+def reply_size(data: Reply) -> int:
+    return data.size if isinstance(data, FileSlice) else len(data)
+
+
+def reply_bytes(data: Reply) -> bytes:
+    """The bytes of a reply (a FileSlice is read now: its descriptor is open until the
+    handler returns)."""
+    if isinstance(data, FileSlice):
+        return os.pread(data.fd, data.size, data.offset)
+    return bytes(data)
 
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and addresses aligned to the logical block
 

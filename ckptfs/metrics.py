@@ -98,12 +98,7 @@ class _Collector:
         yield counter("written_bytes", "Bytes written to staged files, through the daemon or "
                       "(as the files grew) by the kernel itself", s["bytes_written"]
                       + s.get("bytes_written_passthrough", 0))
-        yield gauge("passthrough", "1 if the kernel reads and writes local files itself",
-                    int(s.get("passthrough", False)))
-        yield counter("passthrough_opens", "Opens the kernel serves from a local file itself",
-                      s.get("passthrough_opens", 0))
-        yield counter("passthrough_fallbacks", "Opens of local files the daemon had to serve",
-                      s.get("passthrough_fallbacks", 0))
+        yield from _passthrough(s, counter, gauge)
         yield counter("uploads", "Files made durable in S3", s["uploads_done"])
         yield counter("upload_failures", "Uploads that failed after retries", s["upload_failures"])
         yield counter("parts_uploaded", "Multipart parts uploaded", s["parts_sent"])
@@ -138,6 +133,28 @@ class _Collector:
         yield HistogramMetricFamily("ckptfs_upload_duration_seconds",
                                     "Time from close/fsync to the object complete and verified in S3",
                                     buckets=buckets, sum_value=s["latency_sum"])
+
+
+def _passthrough(s: dict[str, Any], counter: Callable[[str, str, float], Any],
+                 gauge: Callable[[str, str, float], Any]) -> Iterator[Any]:
+    """Which path opens took, and the bytes each served."""
+    from prometheus_client.core import CounterMetricFamily
+
+    yield gauge("passthrough", "1 if the kernel reads and writes local files itself",
+                int(s.get("passthrough", False)))
+    yield counter("passthrough_opens", "Opens the kernel serves from a local file itself",
+                  s.get("passthrough_opens", 0))
+    yield counter("passthrough_fallbacks", "Opens of local files the daemon had to serve",
+                  s.get("passthrough_fallbacks", 0))
+    opens = CounterMetricFamily("ckptfs_opens", "File opens, by the path that serves the "
+                                "handle's reads", labels=["path"])
+    for path in ("passthrough_staged", "passthrough_cached", "daemon"):
+        opens.add_metric([path], s.get(f"opens_{path}", 0))
+    yield opens
+    yield counter("daemon_read_bytes", "Bytes the daemon replied to reads",
+                  s.get("bytes_read_daemon", 0))
+    yield counter("passthrough_opened_bytes", "Sizes of the files read opens passed through "
+                  "(the kernel reads them itself, unseen)", s.get("bytes_opened_passthrough", 0))
 
 
 def serve(addr: str, stats: Stats) -> Any:

@@ -48,7 +48,9 @@ from ckptfs.bucket import Bucket
 from ckptfs.cache import ObjectCache
 from ckptfs.errors import LocalWriteError, S3Error
 from ckptfs.handles import ReadStream
-from ckptfs.localread import ALIGN, LocalView, store_file
+from ckptfs.landing import Landing, close_landing, open_landings
+from ckptfs.localread import (ALIGN, FileSlice, LocalView, Reply, reply_bytes, reply_size,
+                              store_file)
 from ckptfs.parts import MiB
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class _Chunk:
 class ChunkReader:
     def __init__(self, s3: Bucket, cache: ObjectCache | None = None, chunk_size: int = 8 * MiB,
                  memory_budget: int = 48 * MiB, max_window: int = 16, get_chunks: int = 4, *,
-                 nursery: trio.Nursery, into_files: bool = True) -> None:
+                 nursery: trio.Nursery, into_files: bool = True, slices: bool = False) -> None:
         assert chunk_size % ALIGN == 0
         self.s3 = s3
         self.cache = cache
@@ -78,6 +80,10 @@ class ChunkReader:
         self.max_window = max_window
         self.get_chunks = get_chunks  # readahead fetches up to this many chunks with one GET
         self.readahead = True  # off after a spot notice: the bandwidth goes to uploads
+        # Local bytes are replied as FileSlices, sent by pyfuse3's threads (localread.py), where
+        # pyfuse3 can (the daemon says).
+        self.slices = slices
+        self.bytes_sliced = 0  # replied by pyfuse3's threads, never touched by the FUSE loop
         self._slots = max(2, memory_budget // chunk_size)
         # With a disk cache big enough not to evict a window's chunks before they are read,
         # chunks are received into its files (spliced from the socket over plain HTTP) and
@@ -114,12 +120,13 @@ class ChunkReader:
 
     def stats(self) -> dict[str, int]:
         return {"bytes_downloaded": self.bytes_downloaded, "bytes_spliced": self.bytes_spliced,
+                "bytes_sliced": self.bytes_sliced,
                 "objects_assembled": self.whole.assembled if self.whole else 0,
                 "chunk_cache_hits": self.hits,
                 "chunk_cache_misses": self.misses, "chunk_disk_hits": self.disk_hits}
 
     async def read(self, key: str, etag: str, size: int, offset: int, length: int,
-                   stream: ReadStream) -> bytes | memoryview:
+                   stream: ReadStream) -> Reply:
         end = min(offset + length, size)
         if offset >= end:
             return b""
@@ -137,7 +144,7 @@ class ChunkReader:
                 # pyfuse3 replies from this view before any other task runs, so a buffer it
                 # points into cannot be reused under it.
                 return data
-            pieces.append(bytes(data))  # never hold one chunk while waiting for the next
+            pieces.append(reply_bytes(data))  # never hold one chunk while waiting for the next
         self._reached(key, etag, size, end)
         return b"".join(pieces)
 
@@ -146,7 +153,7 @@ class ChunkReader:
             self.whole.reached(key, etag, size)  # a reader reached the end: all cached?
 
     async def _read_chunk(self, key: str, etag: str, size: int, k: int, lo: int,
-                          hi: int) -> bytes | memoryview:
+                          hi: int) -> Reply:
         """Bytes [lo, hi) of the object, all in chunk k: from a local file if one holds the
         chunk, else fetched (into the disk cache's file, else into a buffer)."""
         cid = (key, etag, k)
@@ -160,8 +167,8 @@ class ChunkReader:
                 # still in the CPU's cache when pyfuse3 copies it to the kernel.
                 fd, file_base = local
                 self.disk_hits += 1
-                data = await self.read_local(fd, hi - lo, lo - file_base)
-                if len(data) != hi - lo:
+                data = await self.read_local(fd, hi - lo, lo - file_base, within=True)
+                if reply_size(data) != hi - lo:
                     raise OSError(errno.EIO, f"read cache entry of {key} is short")
                 return data
             try:
@@ -208,9 +215,10 @@ class ChunkReader:
                 local = self.cache.local_fd(key, etag, k, self.chunk_size, size)
             if local is not None:
                 fetch_run()
-                fd, file_base = local
-                self._advise(fd, k * self.chunk_size - file_base,
-                             min(self.chunk_size, size - k * self.chunk_size))
+                if not self.slices:  # (a FileSlice's read triggers the kernel's readahead)
+                    fd, file_base = local
+                    self._advise(fd, k * self.chunk_size - file_base,
+                                 min(self.chunk_size, size - k * self.chunk_size))
                 stream.ahead = k
                 continue
             if not run and k + target > stop < n_chunks:
@@ -237,14 +245,24 @@ class ChunkReader:
                 os.close(own)
         self._nursery.start_soon(advise)
 
-    async def read_local(self, fd: int, size: int, offset: int) -> bytes | memoryview:
-        """Up to `size` bytes at `offset` of a local file, as a view of a mapping of it, so the
-        only copy is pyfuse3's into the kernel. Pages already in the page cache (the usual case:
-        readahead advice went out ahead of the reader) are mapped on the FUSE loop; otherwise a
-        worker thread faults them in first, so the loop never waits for the disk."""
+    async def read_local(self, fd: int, size: int, offset: int, within: bool = False) -> Reply:
+        """Up to `size` bytes at `offset` of a local file. With `slices` (pyfuse3 can reply from
+        a file) that is a FileSlice: one of pyfuse3's worker threads sends the bytes, spliced
+        from the page cache into the kernel, and the FUSE loop never touches them. Otherwise a
+        view of a mapping of the file, so the only copy is pyfuse3's into the kernel: pages
+        already in the page cache (the usual case: readahead advice went out ahead of the
+        reader) are mapped on the FUSE loop, others are faulted in by a worker thread first,
+        so the loop never waits for the disk. `within`: the file holds the whole range
+        (a cache file: they never shrink)."""
+        if self.slices and within:
+            self.bytes_sliced += size
+            return FileSlice(fd, offset, size)
         end = min(offset + size, os.fstat(fd).st_size)
         if end <= offset:
             return b""
+        if self.slices:
+            self.bytes_sliced += end - offset
+            return FileSlice(fd, offset, end - offset)
         view = LocalView(fd, offset, end)
         if not view.resident():
             # The dup keeps the file open if its owner closes `fd` meanwhile (release).
@@ -321,7 +339,7 @@ class ChunkReader:
         key = chunks[0].cid[0]
         wants = self._wants(chunks, size)
         to_files = chunks[0].buf is None
-        files: list[tuple[str, str, int]] = []  # name, temp path, descriptor
+        files: list[Landing] = []
         token = trio.lowlevel.current_trio_token()
         full = [False] * len(chunks)
         error: BaseException | None = None
@@ -334,7 +352,9 @@ class ChunkReader:
                 chunk.length = wants[i]
                 self.bytes_downloaded += wants[i]
             if i < len(files):
-                self._close_chunk_file(chunk, files[i], whole)
+                assert self.cache is not None
+                if close_landing(self.cache, files[i], chunk.cid, wants[i], whole):
+                    self._chunk_stored(*chunk.cid[:2])
             if not whole:  # its waiters only look at the error
                 chunk.error = error or S3Error(f"load of {key} chunk {chunk.cid[2]} was cancelled")
                 if chunk.buf is not None:
@@ -355,7 +375,9 @@ class ChunkReader:
 
         try:
             if to_files:
-                self._open_chunk_files(chunks, files)
+                assert self.cache is not None
+                open_landings(self.cache, [c.cid for c in chunks], size, self.chunk_size,
+                              self.whole is not None and self.whole.enabled, files)
             self.misses += len(chunks)
             self.gets += 1
             await self._get(chunks, wants, files if to_files else None, filled)
@@ -371,13 +393,13 @@ class ChunkReader:
                     self._nursery.start_soon(self._keep, chunk)  # its readers need not wait
 
     async def _get(self, chunks: list[_Chunk], wants: list[int],
-                   files: list[tuple[str, str, int]] | None, filled: Callable[[int], None]) -> None:
+                   files: list[Landing] | None, filled: Callable[[int], None]) -> None:
         """The one ranged GET of a run of chunks: into `files`, or else into their buffers."""
         key, etag, first = chunks[0].cid
         start = first * self.chunk_size
         if files is not None:
             spliced = await self.s3.get_ranges_to_files(
-                key, start, [(fd, want) for (_, _, fd), want in zip(files, wants)], etag, filled)
+                key, start, [(f.fd, want, f.offset) for f, want in zip(files, wants)], etag, filled)
             self.bytes_spliced += spliced  # (not `+= await`: that adds to a stale value)
             return
         outs = []
@@ -386,38 +408,10 @@ class ChunkReader:
             outs.append(memoryview(chunk.buf)[:want])
         await self.s3.get_ranges_into(key, start, outs, etag, filled)
 
-    def _close_chunk_file(self, chunk: _Chunk, file: tuple[str, str, int], whole: bool) -> None:
-        """A chunk received into a file: published in the disk cache if whole, else removed."""
-        assert self.cache is not None
-        (key, etag, k), (name, tmp, fd) = chunk.cid, file
-        os.close(fd)
-        if not whole:
-            _unlink(tmp)
-            return
-        try:
-            self.cache.commit_chunk(key, etag, name, tmp, chunk.length)
-            self._chunk_stored(key, etag)
-        except OSError as exc:  # its readers fetch it again, into a buffer
-            log.debug("could not cache chunk %d of %s: %s", k, key, exc)
-            _unlink(tmp)
-
     def _wants(self, chunks: list[_Chunk], size: int) -> list[int]:
         """The bytes of each chunk (the object's last one may be short)."""
         return [min((c.cid[2] + 1) * self.chunk_size, size) - c.cid[2] * self.chunk_size
                 for c in chunks]
-
-    def _open_chunk_files(self, chunks: list[_Chunk], files: list[tuple[str, str, int]]) -> None:
-        """A new temporary file of the disk cache for each chunk, appended to `files` as
-        (name, temp path, descriptor) as each is opened."""
-        assert self.cache is not None
-        for chunk in chunks:
-            key, etag, k = chunk.cid
-            name, tmp = self.cache.chunk_tmp(key, etag, k)
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            except OSError as exc:
-                raise LocalWriteError(exc.errno, exc.strerror) from None
-            files.append((name, tmp, fd))
 
     def _load_failed(self, exc: Exception, chunks: list[_Chunk]) -> None:
         key, _, first = chunks[0].cid

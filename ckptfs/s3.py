@@ -124,7 +124,7 @@ class S3Client:
         await self._get_ranges(key, start, sum(len(out) for out in outs), etag, filled,
                                lambda body, done: read_body_into(key, body, outs, done))
 
-    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
+    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int, int]],
                                   etag: str | None = None,
                                   filled: Callable[[int], None] | None = None) -> int:
         """Over plain HTTP the kernel splices the body from the socket into the files' page
@@ -134,7 +134,7 @@ class S3Client:
 
         def receive(body: Any, done: Callable[[int], None]) -> None:
             spliced[0] = read_body_to_files(key, body, targets, done)
-        await self._get_ranges(key, start, sum(n for _, n in targets), etag, filled, receive)
+        await self._get_ranges(key, start, sum(n for _, n, _ in targets), etag, filled, receive)
         return spliced[0]
 
     async def _get_ranges(self, key: str, start: int, length: int, etag: str | None,

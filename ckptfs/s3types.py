@@ -75,11 +75,11 @@ class S3(Protocol):
         """One ranged GET from `start` filling the buffers `outs` in order; `filled(i)` (in
         any thread) once outs[i] is full. With `etag`, fail if the object changed."""
 
-    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
+    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int, int]],
                                   etag: str | None = None,
                                   filled: Callable[[int], None] | None = None) -> int:
-        """As get_ranges_into, into the files `targets` ((fd, length), each from its offset
-        0); returns the bytes the kernel spliced (0 where it did not)."""
+        """As get_ranges_into, into the files `targets` ((fd, length, offset): `length` bytes
+        into the file at `offset`); returns the bytes the kernel spliced (0 where it did not)."""
 
     async def put_file(self, key: str, fd: int, size: int, metadata: dict[str, str],
                        crc: int | None = None, reread: bool = False) -> tuple[str, int]:

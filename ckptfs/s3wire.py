@@ -93,12 +93,12 @@ def read_body_into(key: str, body: Any, outs: list[memoryview],
     raw.release_conn()
 
 
-def read_body_to_files(key: str, body: Any, targets: list[tuple[int, int]],
+def read_body_to_files(key: str, body: Any, targets: list[tuple[int, int, int]],
                         filled: Callable[[int], None]) -> int:
     """Write a botocore StreamingBody into the files `targets` (zerocopy.receive_into_files);
     where urllib3's layer is not there, read it whole and write it. Returns the bytes
     spliced."""
-    total = sum(n for _, n in targets)
+    total = sum(n for _, n, _ in targets)
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     if fp is None or not hasattr(raw, "release_conn"):
@@ -107,8 +107,8 @@ def read_body_to_files(key: str, body: Any, targets: list[tuple[int, int]],
         if len(data) != total:
             raise S3Error(f"GET {key}: short body ({len(data)} of {total} bytes)", retryable=True)
         offset = 0
-        for i, (fd, n) in enumerate(targets):
-            zerocopy.write_all(fd, memoryview(data)[offset:offset + n], 0)
+        for i, (fd, n, at) in enumerate(targets):
+            zerocopy.write_all(fd, memoryview(data)[offset:offset + n], at)
             offset += n
             filled(i)
         return 0

@@ -235,10 +235,11 @@ def _splice_in(sock: socket.socket, fd: int, offset: int, length: int) -> None:
         raise
 
 
-def receive_into_files(response: http.client.HTTPResponse, targets: list[tuple[int, int]],
+def receive_into_files(response: http.client.HTTPResponse, targets: list[tuple[int, int, int]],
                        filled: Callable[[int], None] | None = None) -> int:
-    """Write the rest of `response`'s body into the files `targets` ((fd, length) each,
-    written from offset 0), in order, calling `filled(i)` once file i has all its bytes.
+    """Write the rest of `response`'s body into the files `targets` ((fd, length, offset)
+    each: `length` bytes go to the file at `offset`), in order, calling `filled(i)` once
+    file i has all its bytes.
 
     Over plain HTTP the body is spliced from the socket (one copy, in the kernel, into the
     page cache); otherwise (TLS, a chunked body) it passes through one reused buffer per
@@ -246,19 +247,19 @@ def receive_into_files(response: http.client.HTTPResponse, targets: list[tuple[i
     connection's fault. The caller checks the length and puts the connection back.
     Returns how many bytes were spliced."""
     sock = _plain_socket(response)
-    if sock is not None and sum(n for _, n in targets) != response.length:
+    if sock is not None and sum(n for _, n, _ in targets) != response.length:
         sock = None  # not the body we asked for: let the caller's length check say so
     bounce = thread_buffer()
     # Bytes already in the response's buffer (read with the headers) go through it; then the
     # buffer is empty, and the socket is only ever read past them.
     head = len(response.fp.peek(1)) if sock is not None else 0
     spliced = 0
-    for i, (fd, length) in enumerate(targets):
+    for i, (fd, length, base) in enumerate(targets):
         offset = 0
         while offset < length:
             if sock is not None and not head:
                 with _blocking(sock):
-                    _splice_in(sock, fd, offset, length - offset)
+                    _splice_in(sock, fd, base + offset, length - offset)
                 response.length -= length - offset  # read behind http.client's back
                 spliced += length - offset
                 break
@@ -266,7 +267,7 @@ def receive_into_files(response: http.client.HTTPResponse, targets: list[tuple[i
             got = response.readinto(view)
             if not got:
                 raise http.client.IncompleteRead(b"", length - offset)
-            write_all(fd, view[:got], offset)
+            write_all(fd, view[:got], base + offset)
             offset += got
             head = max(0, head - got)
         if filled is not None:

@@ -122,12 +122,12 @@ class MemoryStore:
         data = self._object(key, etag)[start:start + sum(len(o) for o in outs)]
         scatter(data, outs, filled)
 
-    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
+    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int, int]],
                                   etag: str | None = None,
                                   filled: Callable[[int], None] | None = None) -> int:
-        data = self._object(key, etag)[start:start + sum(n for _, n in targets)]
-        for i, (fd, n) in enumerate(targets):
-            os.pwrite(fd, data[:n], 0)
+        data = self._object(key, etag)[start:start + sum(n for _, n, _ in targets)]
+        for i, (fd, n, at) in enumerate(targets):
+            os.pwrite(fd, data[:n], at)
             data = data[n:]
             if filled is not None:
                 filled(i)
@@ -361,7 +361,7 @@ class Faults:
         await self._attempt("GET", key, lambda: self.inner.get_ranges_into(
             key, start, outs, etag, filled))
 
-    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int]],
+    async def get_ranges_to_files(self, key: str, start: int, targets: list[tuple[int, int, int]],
                                   etag: str | None = None,
                                   filled: Callable[[int], None] | None = None) -> int:
         return await self._attempt("GET", key, lambda: self.inner.get_ranges_to_files(

@@ -20,6 +20,7 @@ import trio
 from ckptfs.config import Config
 from ckptfs.daemon import Mount, build_mount
 from ckptfs.inodes import ROOT_INODE
+from ckptfs.localread import reply_bytes
 from fakes3 import MemoryS3
 
 CTX = pyfuse3.RequestContext()
@@ -122,9 +123,13 @@ class Kernel:
     async def read(self, path: str) -> bytes:
         fh = await self.open(path)
         try:
-            return bytes(await self.fs.read(fh, 0, 1 << 20))
+            return await self.read_fh(fh, 0, 1 << 20)
         finally:
             await self.fs.release(fh)
+
+    async def read_fh(self, fh: int, off: int, size: int) -> bytes:
+        """READ of an open handle; a FileSlice reply is read as pyfuse3's thread would."""
+        return reply_bytes(await self.fs.read(fh, off, size))
 
     async def mkdir(self, path: str, mode: int = 0o755) -> None:
         parent, name = _split(path)

@@ -155,7 +155,7 @@ async def test_an_unlinked_file_stays_readable_through_its_handle_and_never_reac
     await kernel.fs.write(writer, 0, b"never published")
     await kernel.unlink("g")
     await kernel.unlink("h")
-    assert bytes(await kernel.fs.read(reader, 0, 100)) == b"kept"
+    assert await kernel.read_fh(reader, 0, 100) == b"kept"
     await fails(errno.ENOENT, kernel.resolve("g"))
     await kernel.close(writer)
     await kernel.fs.release(reader)
@@ -195,7 +195,7 @@ async def test_a_file_replaced_by_a_rename_stays_readable_through_its_handle(wor
     reader = await kernel.open("latest.pt")
     await kernel.write("latest.tmp", b"new checkpoint")
     await kernel.rename("latest.tmp", "latest.pt")
-    assert bytes(await kernel.fs.read(reader, 0, 100)) == b"old checkpoint"
+    assert await kernel.read_fh(reader, 0, 100) == b"old checkpoint"
     await kernel.fs.release(reader)
     assert await kernel.read("latest.pt") == b"new checkpoint"
     assert await in_s3(mount, s3) == {"latest.pt": b"new checkpoint"}
@@ -228,6 +228,6 @@ async def test_a_file_replaced_by_a_copy_in_s3_stays_readable_through_its_handle
     await in_s3(mount, s3)
     await kernel.rename("latest.tmp", "latest.pt")
     assert await in_s3(mount, s3) == {"latest.pt": b"new checkpoint"}
-    assert bytes(await kernel.fs.read(reader, 2 << 20, 1 << 20)) == old[2 << 20:]
+    assert await kernel.read_fh(reader, 2 << 20, 1 << 20) == old[2 << 20:]
     await kernel.fs.release(reader)
     assert await kernel.read("latest.pt") == b"new checkpoint"

@@ -64,10 +64,10 @@ class SlowS3:
         self.file_gets += 1
         if self.full_disk:
             raise LocalWriteError(errno.ENOSPC, "No space left on device")
-        bufs = [bytearray(n) for _, n in targets]
+        bufs = [bytearray(n) for _, n, _ in targets]
 
         def written(i: int) -> None:
-            os.pwrite(targets[i][0], bufs[i], 0)
+            os.pwrite(targets[i][0], bufs[i], targets[i][2])
             if filled is not None:
                 filled(i)
         await self.get_ranges_into(key, start, [memoryview(b) for b in bufs], etag, written)

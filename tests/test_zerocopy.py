@@ -196,7 +196,7 @@ def test_a_body_is_spliced_into_its_files_and_the_connection_stays_usable(tmp_pa
         conn, response = server.get()
         fds = _files(tmp_path, 3)
         filled: list[int] = []
-        spliced = receive_into_files(response, [(fds[0], MiB), (fds[1], 2 * MiB), (fds[2], 5)],
+        spliced = receive_into_files(response, [(fds[0], MiB, 0), (fds[1], 2 * MiB, 0), (fds[2], 5, 0)],
                                      filled.append)
         assert filled == [0, 1, 2]
         # What arrived with the headers went through the response's buffer, the rest spliced.
@@ -220,7 +220,7 @@ def test_a_body_cut_short_or_stalled_is_a_fault_of_the_connection(tmp_path) -> N
     try:
         _, response = server.get()
         with pytest.raises(http.client.IncompleteRead):
-            receive_into_files(response, [(fd, MiB) for fd in _files(tmp_path, 2)])
+            receive_into_files(response, [(fd, MiB, 0) for fd in _files(tmp_path, 2)])
     finally:
         server.close()
     server = _Server([(_length(len(body)), body[:MiB], "stall")])
@@ -228,7 +228,7 @@ def test_a_body_cut_short_or_stalled_is_a_fault_of_the_connection(tmp_path) -> N
         _, response = server.get(timeout=0.5)
         started = time.monotonic()
         with pytest.raises(TimeoutError):
-            receive_into_files(response, [(fd, MiB) for fd in _files(tmp_path, 2)])
+            receive_into_files(response, [(fd, MiB, 0) for fd in _files(tmp_path, 2)])
         assert time.monotonic() - started < 2.5  # the socket's timeout held in the splice
     finally:
         server.close()
@@ -242,7 +242,7 @@ def test_a_chunked_body_goes_through_a_buffer_and_a_bad_file_is_a_local_error(tm
     try:
         _, response = server.get()
         (fd,) = _files(tmp_path, 1)
-        assert receive_into_files(response, [(fd, len(body))]) == 0
+        assert receive_into_files(response, [(fd, len(body), 0)]) == 0
         assert os.pread(fd, len(body) + 1, 0) == body
     finally:
         server.close()
@@ -251,7 +251,7 @@ def test_a_chunked_body_goes_through_a_buffer_and_a_bad_file_is_a_local_error(tm
         _, response = server.get()
         read_only = os.open(tmp_path / "f0", os.O_RDONLY)
         with pytest.raises(LocalWriteError):
-            receive_into_files(response, [(read_only, len(body))])
+            receive_into_files(response, [(read_only, len(body), 0)])
     finally:
         server.close()
 
@@ -268,7 +268,7 @@ def test_ranged_gets_land_in_files_from_the_real_server(s3_server: S3Server, s3,
             fds = _files(tmp_path, 3)
             lengths = [8 * MiB, 8 * MiB, 4 * MiB + 23]
             got: list[int] = []
-            spliced = await c.get_ranges_to_files(key, 100, list(zip(fds, lengths)), None, got.append)
+            spliced = await c.get_ranges_to_files(key, 100, [(fd, n, 0) for fd, n in zip(fds, lengths)], None, got.append)
             assert got == [0, 1, 2] and spliced > 20 * MiB - 64 * 1024
             assert b"".join(os.pread(fd, 8 * MiB, 0) for fd in fds) == data[100:]
             for fd in fds:

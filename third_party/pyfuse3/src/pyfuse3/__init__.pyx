@@ -44,6 +44,10 @@ cdef extern from "pyfuse3.h":
     void pyfuse3_set_backing_id(fuse_file_info *fi, int backing_id)
     int pyfuse3_backing_open(int session_fd, int fd) nogil
     int pyfuse3_backing_close(int session_fd, int backing_id) nogil
+    # ckptfs: READ replies sent from a file by worker threads (fdreply.h)
+    int pyfuse3_fdreply_queue(fuse_req_t req, int fd, off_t off, size_t size) nogil
+    void pyfuse3_fdreply_set_max(int n) nogil
+    void pyfuse3_fdreply_stats(int *threads, unsigned long long *failed) nogil
 
 
 ########################
@@ -115,6 +119,30 @@ trio_token = None
 #######################
 # FUSE REQUEST HANDLERS
 #######################
+
+FILE_SLICE_SUPPORTED = True
+
+
+cdef class FileSlice:
+    '''A read handler's reply: *size* bytes of the open file *fd* at *offset*.
+
+    pyfuse3 duplicates *fd* as soon as the handler returns (the handler may close its own
+    descriptor afterwards) and a worker thread sends the bytes without the GIL: spliced from
+    the file's page cache into /dev/fuse where the kernel allows it. A reply may be shorter
+    than *size* where the file ends; the kernel takes a short read as the end of the file.
+    '''
+    cdef public int fd
+    cdef public off_t offset
+    cdef public size_t size
+
+    def __cinit__(self, int fd, off_t offset, size_t size):
+        self.fd = fd
+        self.offset = offset
+        self.size = size
+
+    def __repr__(self):
+        return f'FileSlice(fd={self.fd}, offset={self.offset}, size={self.size})'
+
 
 include "handlers.pxi"
 
@@ -629,6 +657,19 @@ def backing_close(int backing_id):
         ret = pyfuse3_backing_close(session_fd, backing_id)
     if ret < 0:
         raise OSError(-ret, 'FUSE_DEV_IOC_BACKING_CLOSE: ' + strerror(-ret))
+
+
+def set_file_slice_threads(int n):
+    '''At most *n* threads send `FileSlice` replies (default 8; started as needed).'''
+    pyfuse3_fdreply_set_max(n)
+
+
+def file_slice_stats():
+    '''(threads started, replies that could not be sent) of the `FileSlice` workers.'''
+    cdef int threads
+    cdef unsigned long long failed
+    pyfuse3_fdreply_stats(&threads, &failed)
+    return threads, failed
 
 
 def listdir(path):

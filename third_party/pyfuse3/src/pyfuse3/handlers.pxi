@@ -47,6 +47,9 @@ cdef void fuse_init (void *userdata, fuse_conn_info *conn):
     if (operations.enable_writeback_cache and not passthrough_negotiated and
         conn.capable & FUSE_CAP_WRITEBACK_CACHE):
         conn.want |= FUSE_CAP_WRITEBACK_CACHE
+    # ckptfs: FileSlice replies (fuse_reply_data) are spliced from the file to /dev/fuse.
+    if conn.capable & FUSE_CAP_SPLICE_WRITE:
+        conn.want |= FUSE_CAP_SPLICE_WRITE
     if (operations.enable_acl and
         conn.capable & FUSE_CAP_POSIX_ACL):
         conn.want |= FUSE_CAP_POSIX_ACL
@@ -413,16 +416,29 @@ cdef void fuse_read (fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 
 async def fuse_read_async (_Container c):
     cdef int ret
+    cdef int fd
     cdef Py_buffer pybuf
+    cdef FileSlice piece
 
     try:
         buf = await operations.read(c.fh, c.off, c.size)
     except FUSEError as e:
         ret = fuse_reply_err(c.req, e.errno)
     else:
-        PyObject_GetBuffer(buf, &pybuf, PyBUF_CONTIG_RO)
-        ret = fuse_reply_buf(c.req, <const_char*> pybuf.buf, <size_t> pybuf.len)
-        PyBuffer_Release(&pybuf)
+        if type(buf) is FileSlice:  # ckptfs: sent by a worker thread (fdreply.h)
+            piece = <FileSlice> buf
+            fd = unistd.dup(piece.fd)
+            if fd < 0:
+                ret = fuse_reply_err(c.req, errno.errno)
+            else:
+                ret = pyfuse3_fdreply_queue(c.req, fd, piece.offset, min(piece.size, c.size))
+                if ret != 0:
+                    unistd.close(fd)
+                    ret = fuse_reply_err(c.req, -ret)
+        else:
+            PyObject_GetBuffer(buf, &pybuf, PyBUF_CONTIG_RO)
+            ret = fuse_reply_buf(c.req, <const_char*> pybuf.buf, <size_t> pybuf.len)
+            PyBuffer_Release(&pybuf)
 
     if ret != 0:
         log.error('fuse_read(): fuse_reply_* failed with %s', strerror(-ret))

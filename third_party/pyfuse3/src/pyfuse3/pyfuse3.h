@@ -39,3 +39,4 @@ the terms of the GNU LGPL.
 #endif
 
 #include "passthrough.h"
+#include "fdreply.h"
