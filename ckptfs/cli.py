@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                    "trusted, and missing names remembered (default 1)")
     m.add_argument("--passthrough", help="auto (default: the kernel reads and writes local files "
                    "itself where it can: kernel 6.9+, CAP_SYS_ADMIN), on (or fail the mount), off")
+    m.add_argument("--cold-open", help="with passthrough, the first open of an object not in the "
+                   "read cache: whole (default: fetch it all at full speed, then the kernel reads "
+                   "it itself) or stream (the daemon serves it from the first byte)")
     m.add_argument("--log-level", help="debug, info, warning or error")
     m.add_argument("--config", help="TOML file of these options (underscored names)")
 

@@ -28,6 +28,7 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DURABILITY = ("close", "async")
 PASSTHROUGH = ("auto", "on", "off")
+COLD_OPEN = ("whole", "stream")
 
 
 def parse_size(text: str | int) -> int:
@@ -122,6 +123,10 @@ class Config:
     metrics_addr: str | None = None
     metadata_ttl: float = 1.0  # how long S3's answers about names and attributes are trusted
     passthrough: str = "auto"  # the kernel reads and writes local files itself (passthrough.py)
+    # The first open of an object not in the read cache, with passthrough: "whole" fetches all
+    # of it at full parallelism into the cache and opens it through passthrough; "stream"
+    # has the daemon serve it from the first byte, as it arrives.
+    cold_open: str = "whole"
 
     @property
     def bucket(self) -> str:
@@ -148,6 +153,8 @@ class Config:
             raise ConfigError(f"--durability must be one of {', '.join(DURABILITY)}")
         if self.passthrough not in PASSTHROUGH:
             raise ConfigError(f"--passthrough must be one of {', '.join(PASSTHROUGH)}")
+        if self.cold_open not in COLD_OPEN:
+            raise ConfigError(f"--cold-open must be one of {', '.join(COLD_OPEN)}")
         if not self.drain_timeout > 0:
             raise ConfigError("--drain-timeout must be a positive number of seconds")
         if not self.upload_timeout > 0:

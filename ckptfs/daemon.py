@@ -263,7 +263,7 @@ async def build_mount(config: Config, s3: Bucket, nursery: trio.Nursery,
                               space_wait=files.space_wait, nursery=nursery)
     fs = CheckpointFS(table=table, ns=ns, files=files, tree=tree, staging_dir=staging.dir,
                       read_only=config.read_only, metadata_ttl=config.metadata_ttl,
-                      passthrough=passthrough)
+                      passthrough=passthrough, cold_open=config.cold_open)
     stats = Stats({"pid": os.getpid(), "mountpoint": config.mountpoint, "source": config.source,
                    "cache_dir": config.cache_dir, "durability": config.durability,
                    "recovery": report.as_dict()},

@@ -35,6 +35,7 @@ from ckptfs.localread import Reply, reply_size
 from ckptfs.metadata import object_metadata
 from ckptfs.namespace import Namespace
 from ckptfs.opener import Opener, killing_signal
+from ckptfs.passthrough import Passthrough
 from ckptfs.prefetch import ChunkReader
 from ckptfs.staging import StagedFile, StagingArea, copy_file
 from ckptfs.uploader import Uploader
@@ -64,11 +65,12 @@ class OpenFiles:
         self.write_calls = 0
         self.bytes_written = 0  # through the daemon's write handler
         self.local_read_bytes = 0  # reads answered from staged files and local copies
+        self.whole_fetches = 0  # read opens that fetched their object whole first
         self.torn_writes: list[dict] = []  # writers killed mid-write: not published
 
     def stats(self) -> dict[str, Any]:
         return {"write_calls": self.write_calls, "bytes_written": self.bytes_written,
-                "local_read_bytes": self.local_read_bytes,
+                "local_read_bytes": self.local_read_bytes, "whole_fetches": self.whole_fetches,
                 "torn_writes": list(self.torn_writes)}
 
     # ----- open ---------------------------------------------------------------
@@ -160,6 +162,17 @@ class OpenFiles:
         return staged
 
     # ----- read and write -------------------------------------------------------
+
+    async def fetch_whole(self, node: Inode, pt: Passthrough) -> None:
+        """Before a read open of an object not local (--cold-open whole): fetch all of it, at
+        full parallelism, into its cache file, which the open then passes through: the reader's
+        own thread copies the bytes, the daemon only receives them. Not where the open could not
+        pass through anyway, or the object does not fit the cache: the daemon streams those."""
+        if (not pt.enabled or node.staged is not None or node.etag is None or not node.size
+                or pt.serving_cached(node)):
+            return
+        self.whole_fetches += 1
+        await self.reader.fetch_whole(self.table.object_key(node), node.etag, node.size)
 
     async def read(self, node: Inode, off: int, size: int, stream: ReadStream) -> Reply:
         if node.staged is not None:

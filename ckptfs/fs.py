@@ -21,7 +21,7 @@ import trio
 
 from ckptfs.errors import NoSuchKey
 from ckptfs.files import OpenFiles
-from ckptfs.handles import DirHandle, Handle
+from ckptfs.handles import DirHandle, Handle, OpenCounts
 from ckptfs.handles import fail as _fail
 from ckptfs.handles import guarded as _guarded
 from ckptfs.inodes import SPECIAL_TYPES, Inode, InodeTable
@@ -41,7 +41,7 @@ class CheckpointFS(pyfuse3.Operations):
 
     def __init__(self, *, table: InodeTable, ns: Namespace, files: OpenFiles, tree: Tree,
                  staging_dir: str, read_only: bool, metadata_ttl: float,
-                 passthrough: Passthrough | None = None) -> None:
+                 passthrough: Passthrough | None = None, cold_open: str = "whole") -> None:
         super().__init__()
         self.passthrough = passthrough
         # Read by pyfuse3 at INIT (the patched binding of third_party/pyfuse3); the daemon
@@ -60,20 +60,13 @@ class CheckpointFS(pyfuse3.Operations):
         self._handles: dict[int, Handle | DirHandle] = {}
         self._next_fh = 1
         self.requests: collections.Counter[str] = collections.Counter()  # FUSE requests, by op
-        # Which path each open took, and the bytes each served (status, metrics): the kernel
-        # reads a passthrough handle's file itself, unseen, so for those the bytes opened.
-        self.opens = collections.Counter({"passthrough_staged": 0, "passthrough_cached": 0,
-                                          "daemon": 0})
-        self.bytes_read = 0  # replied to READs by the daemon (from its threads or its loop)
-        self.bytes_opened_passthrough = 0  # sizes of the files read opens passed through
+        self.counts = OpenCounts()
+        self.cold_open = cold_open  # "whole": a cold object is fetched whole at its first open
         # How a READDIR entry reaches the kernel (tests/inprocess.py, with no kernel, collects them).
         self.reply_entry: Callable[..., bool] = pyfuse3.readdir_reply
 
     def stats(self) -> dict[str, Any]:
-        return {"fuse_requests": dict(self.requests),
-                **{f"opens_{path}": n for path, n in self.opens.items()},
-                "bytes_read_daemon": self.bytes_read,
-                "bytes_opened_passthrough": self.bytes_opened_passthrough}
+        return {"fuse_requests": dict(self.requests), **self.counts.stats()}
 
     # ----- helpers -------------------------------------------------------
 
@@ -364,6 +357,8 @@ class CheckpointFS(pyfuse3.Operations):
             await self.files.open_for_write(node, truncate=bool(flags & os.O_TRUNC))
         else:
             node.opened(writable=False)
+            if self.cold_open == "whole" and self.passthrough is not None:
+                await self.files.fetch_whole(node, self.passthrough)
         opener = opener_of(ctx.pid) if writable else None
         return self._file_info(Handle(node, writable, opener=opener))
 
@@ -382,12 +377,7 @@ class CheckpointFS(pyfuse3.Operations):
                     self.table.object_key(node), node.etag, node.size), False
             handle.backing_id, handle.direct_io, pages_valid = pt.open(
                 node, path, handle.writable, staged)
-        if handle.backing_id and not handle.direct_io:
-            self.opens["passthrough_staged" if node.staged is not None else "passthrough_cached"] += 1
-            if not handle.writable:
-                self.bytes_opened_passthrough += node.size
-        else:
-            self.opens["daemon"] += 1
+        self.counts.opened(handle)
         if handle.backing_id:
             node.pages_bypassed()
             return pyfuse3.FileInfo(fh=self._new_fh(handle), backing_id=handle.backing_id,
@@ -415,7 +405,7 @@ class CheckpointFS(pyfuse3.Operations):
         handle = self._file_handle(fh)
         try:
             data = await self.files.read(handle.inode, off, size, handle.stream)
-            self.bytes_read += reply_size(data)
+            self.counts.bytes_read += reply_size(data)
             return data
         except NoSuchKey:  # not ENOENT: read(2) of an open file has no such meaning
             log.warning("read of %s: the object was deleted from S3 while open here",

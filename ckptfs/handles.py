@@ -96,6 +96,30 @@ class Handle:
         return self.writable and bool(self.backing_id) and not self.direct_io
 
 
+class OpenCounts:
+    """Which path each open took, and the bytes each served (status, metrics). The kernel
+    reads a passthrough handle's file itself, unseen: for those, the bytes opened."""
+
+    def __init__(self) -> None:
+        self.opens = {"passthrough_staged": 0, "passthrough_cached": 0, "daemon": 0}
+        self.bytes_read = 0  # replied to READs by the daemon (from its threads or its loop)
+        self.bytes_opened_passthrough = 0  # sizes of the files read opens passed through
+
+    def opened(self, handle: Handle) -> None:
+        node = handle.inode
+        if handle.backing_id and not handle.direct_io:
+            self.opens["passthrough_staged" if node.staged is not None else "passthrough_cached"] += 1
+            if not handle.writable:
+                self.bytes_opened_passthrough += node.size
+        else:
+            self.opens["daemon"] += 1
+
+    def stats(self) -> dict[str, int]:
+        return {**{f"opens_{path}": n for path, n in self.opens.items()},
+                "bytes_read_daemon": self.bytes_read,
+                "bytes_opened_passthrough": self.bytes_opened_passthrough}
+
+
 @dataclass(eq=False)
 class DirHandle:
     inode: Inode

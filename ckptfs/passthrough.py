@@ -169,6 +169,11 @@ class Passthrough:
 
     # ----- opens ------------------------------------------------------------
 
+    def serving_cached(self, node: Inode) -> bool:
+        """The daemon serves open handles of `node` through the page cache: a new open cannot
+        pass through (the kernel: ETXTBSY)."""
+        return bool(self._daemon_handles.get(node.ino))
+
     def open(self, node: Inode, path: str | None, writable: bool,
              staged: bool = True) -> tuple[int, bool, bool]:
         """How the kernel serves a new handle of `node`: (backing id, direct_io, keep the

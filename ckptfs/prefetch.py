@@ -186,6 +186,45 @@ class ChunkReader:
                 self._unuse(chunk)
         raise OSError(errno.EIO, f"chunk {k} of {key} was fetched but not kept")
 
+    async def fetch_whole(self, key: str, etag: str, size: int, gets: int = 8,
+                          per_get: int = 8) -> bool:
+        """Fetch every chunk of the object not local yet into its own cache file, `gets` GETs of
+        up to get_chunks chunks at once: at full speed, not a reader's pace. True once the
+        object is whole in the cache (then a passthrough open's backing file)."""
+        cache = self.cache
+        if cache is None or self.whole is None or not self.whole.enabled:
+            return False
+        partial = cache.receiving(key, etag, size)
+        if partial is not None:
+            limiter, waits = trio.Semaphore(gets), list[trio.Event]()
+            n = (size + self.chunk_size - 1) // self.chunk_size
+            per_get = max(1, min(per_get, -(-n // gets)))  # all `gets` busy on a small one
+            async with trio.open_nursery() as nursery:
+                k = 0
+                while k < n:
+                    await limiter.acquire()
+                    run: list[_Chunk] = []
+                    while k < n and len(run) < per_get:
+                        cid, k = (key, etag, k), k + 1
+                        if (chunk := self._chunks.get(cid)) is not None:
+                            waits.append(chunk.ready)  # a reader's fetch of it is under way
+                        elif cid[2] not in partial.present:
+                            chunk = self._chunks[cid] = _Chunk(cid, None)
+                            run.append(chunk)
+                            self._receiving += 1
+                    nursery.start_soon(self._load_then_release, run, size, limiter)
+            for ready in waits:
+                await ready.wait()
+        return cache.whole_path(key, etag, size) is not None
+
+    async def _load_then_release(self, run: list[_Chunk], size: int,
+                                 limiter: trio.Semaphore) -> None:
+        try:
+            if run:
+                await self._load(run, size)
+        finally:
+            limiter.release()
+
     def _read_ahead(self, key: str, etag: str, size: int, last: int, stream: ReadStream) -> None:
         """Keep the stream's window ahead of `last` loading: chunks on disk here are advised
         into the page cache, the others are fetched into buffers."""

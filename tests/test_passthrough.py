@@ -147,7 +147,7 @@ def test_a_cold_object_is_read_through_passthrough_right_after_its_first_read(
     assembly (issue 42: a second read right after a cold one was still the daemon's)."""
     data = os.urandom(20 * MiB + 3)
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/remote.bin", Body=data)
-    mnt = mounter("--passthrough", "on")
+    mnt = mounter("--passthrough", "on", "--cold-open", "stream")
     assert (mnt.path / "remote.bin").read_bytes() == data  # cold: the daemon, into the cache
     st = status(mnt)
     assert st["objects_received_whole"] == 1 and st["objects_assembled"] == 0
@@ -156,6 +156,21 @@ def test_a_cold_object_is_read_through_passthrough_right_after_its_first_read(
     st = status(mnt)
     assert st["opens_passthrough_cached"] == 1 and st["passthrough_fallbacks"] == 0
     assert st["bytes_read_daemon"] == len(data)
+
+
+def test_a_cold_object_is_fetched_whole_at_its_first_open_then_read_by_the_kernel(
+        mounter: Mounter, s3, prefix: str) -> None:
+    """--cold-open whole (the default): the open waits while the whole object is fetched, at
+    full parallelism, into its cache file, and passes through: the daemon never copies a
+    byte of it to the reader."""
+    data = os.urandom(40 * MiB + 3)
+    s3.put_object(Bucket=BUCKET, Key=f"{prefix}/remote.bin", Body=data)
+    mnt = mounter("--passthrough", "on")
+    assert (mnt.path / "remote.bin").read_bytes() == data
+    st = status(mnt)
+    assert st["whole_fetches"] == 1 and st["opens_passthrough_cached"] == 1
+    assert st["bytes_read_daemon"] == 0 and st["fuse_requests"].get("read", 0) == 0
+    assert st["bytes_downloaded"] == len(data) and st["objects_received_whole"] == 1
 
 
 def test_off_uses_the_daemon_path(mounter: Mounter, s3, prefix: str) -> None:

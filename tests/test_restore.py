@@ -126,3 +126,37 @@ def test_a_file_slice_is_read_as_the_range_it_names(tmp_path: Path) -> None:
         assert reply_bytes(FileSlice(fd, 2550, 100)) == bytes(range(246, 256))  # to its end
     finally:
         os.close(fd)
+
+
+async def test_a_whole_fetch_shares_a_readers_fetches_and_leaves_the_object_whole(
+        tmp_path: Path) -> None:
+    data = content("obj", 40 * CHUNK + 9)
+    s3 = SlowS3({"obj": data})
+    cache = ObjectCache(str(tmp_path), 1 << 30)
+    async with trio.open_nursery() as nursery:
+        reader = _reader(s3, cache, nursery)
+        got: list[bytes] = []
+
+        async def read() -> None:  # a reader already streaming it (another handle)
+            got.append(await _read_all(reader, "obj", data, 32 * KiB))
+        nursery.start_soon(read)
+        await trio.sleep(0.005)
+        assert await reader.fetch_whole("obj", "e", len(data), gets=4)
+        assert cache.whole_path("obj", "e", len(data)) is not None
+    assert got == [data] and s3.chunks == 41  # no chunk fetched twice
+    assert s3.gets <= 20  # GETs of several chunks each
+
+
+async def test_a_whole_fetch_that_fails_says_so_and_the_reader_still_gets_the_error(
+        tmp_path: Path) -> None:
+    data = content("obj", 16 * CHUNK)
+    s3 = SlowS3({"obj": data})
+    s3.fail_after_first = True  # every multi-chunk GET breaks after its first chunk
+    cache = ObjectCache(str(tmp_path), 1 << 30)
+    async with trio.open_nursery() as nursery:
+        reader = _reader(s3, cache, nursery)
+        assert not await reader.fetch_whole("obj", "e", len(data))
+        assert cache.whole_path("obj", "e", len(data)) is None
+        s3.fail_after_first = False
+        assert await _read_all(reader, "obj", data) == data  # the daemon's path, as a fallback
+    assert reader._receiving == 0 and not reader._chunks

@@ -148,6 +148,13 @@ def test_status_json_and_metrics_during_an_async_upload(proxied, s3, prefix: str
     assert (after.get('ckptfs_fuse_requests_total{op="write"}', 0) >= 1
             or after["ckptfs_passthrough"] == 1)
     assert after["ckptfs_written_bytes_total"] >= 12 * MiB
+    # The cold read: passed through once fetched whole, or read through the daemon.
+    opens = {path: after[f'ckptfs_opens_total{{path="{path}"}}']
+             for path in ("passthrough_staged", "passthrough_cached", "daemon")}
+    if after["ckptfs_passthrough"] == 1:
+        assert opens["passthrough_cached"] >= 1 and after["ckptfs_passthrough_opened_bytes_total"] >= 3 * MiB
+    else:
+        assert opens["daemon"] >= 2 and after["ckptfs_daemon_read_bytes_total"] >= 3 * MiB
     st = json.loads(run_ckptfs("status", str(mnt.path), "--json").stdout)
     assert st["uploads_done"] >= 1 and st["pending_files"] == 0
     assert s3_bytes(s3, f"{prefix}/big.pt") == data
