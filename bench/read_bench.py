@@ -10,6 +10,12 @@ and rclone mount; a warm read (ckptfs's disk cache, after a remount) and the rea
 a file written through ckptfs on this host, against a read from local disk; torch.load
 of a checkpoint in a fresh mount against boto3 download then torch.load from local disk;
 `ls -l` of a directory of N objects through ckptfs and s3fs. Needs root.
+
+    .venv/bin/python bench/read_bench.py --restore [--tls] [--rounds 2] ...
+
+runs the restore rows instead (bench/restore_bench.py, issue 42): the daemon's CPU per GiB
+for all its threads and for the busiest one, for a cold read, 8 ranks at once, torch.load
+and a safetensors load from a fresh mount, and a second read right after a cold one.
 """
 
 from __future__ import annotations
@@ -158,6 +164,9 @@ class ReadBench:
 
 
 def main() -> int:
+    if "--restore" in sys.argv[1:]:
+        import restore_bench
+        return restore_bench.main([a for a in sys.argv[1:] if a != "--restore"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0, help="size of the object read (GiB)")
     ap.add_argument("--objects", type=int, default=10000, help="objects in the ls -l directory (0: skip)")

@@ -186,7 +186,7 @@ class ChunkReader:
                 self._unuse(chunk)
         raise OSError(errno.EIO, f"chunk {k} of {key} was fetched but not kept")
 
-    async def fetch_whole(self, key: str, etag: str, size: int, gets: int = 8,
+    async def fetch_whole(self, key: str, etag: str, size: int, gets: int = 16,
                           per_get: int = 8) -> bool:
         """Fetch every chunk of the object not local yet into its own cache file, `gets` GETs of
         up to get_chunks chunks at once: at full speed, not a reader's pace. True once the
@@ -198,7 +198,9 @@ class ChunkReader:
         if partial is not None:
             limiter, waits = trio.Semaphore(gets), list[trio.Event]()
             n = (size + self.chunk_size - 1) // self.chunk_size
-            per_get = max(1, min(per_get, -(-n // gets)))  # all `gets` busy on a small one
+            # All `gets` busy on a small object, but GETs of at least 4 chunks: each costs
+            # botocore milliseconds of CPU, and 8 ranks' objects share the `gets` threads.
+            per_get = min(n, max(4, min(per_get, -(-n // gets))))
             async with trio.open_nursery() as nursery:
                 k = 0
                 while k < n:
