@@ -122,6 +122,12 @@ READAHEAD_KB = 16384
 # of the disk cache: 1.7-2.1 s at 12, 1.3-1.6 s at 48; reader CPU 1.0 -> 0.5 s).
 MAX_BACKGROUND = 48
 FUSECTL = "/sys/fs/fuse/connections"
+# The largest READ the kernel sends: a reply sent from a file (pyfuse3's FileSlice) is spliced
+# through a pipe that must hold all of it, header and three pages of slack included (libfuse),
+# and a pipe grows past /proc/sys/fs/pipe-max-size (1 MiB) only with CAP_SYS_RESOURCE, which
+# containers drop. A 1 MiB READ then went through a malloc'd buffer instead: a second copy,
+# and each reply thread's heap grew (peak RSS +40 MiB with 8 readers). 1008 KiB fits.
+MAX_READ = (1 << 20) - 4 * 4096
 
 
 async def _tune_connection(fs: CheckpointFS, real_mountpoint: str) -> None:
@@ -287,6 +293,9 @@ async def _mount_and_serve(config: Config, mount: Mount, nursery: trio.Nursery,
     fs, stats = mount.fs, mount.stats
     options = set(pyfuse3.default_options)
     options |= {f"fsname=ckptfs:{config.bucket}/{config.prefix}", "subtype=ckptfs"}
+    if SLICES_SUPPORTED:  # ckptfs's pyfuse3, which repeats it at INIT (a stock one cannot)
+        fs.max_read = MAX_READ
+        options.add(f"max_read={MAX_READ}")
     if config.allow_other:
         options.add("allow_other")
     if config.read_only:

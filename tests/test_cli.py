@@ -171,6 +171,8 @@ def test_missing_config_file_and_bad_options(tmp_path: Path) -> None:
     assert_one_line_failure(r, "--part-size must be between", status=2)
     r = run_ckptfs("mount", f"s3://{BUCKET}/x", str(tmp_path), "--concurrency", "0")
     assert_one_line_failure(r, "--concurrency must be between", status=2)
+    r = run_ckptfs("mount", f"s3://{BUCKET}/x", str(tmp_path), "--cold-open", "eventually")
+    assert_one_line_failure(r, "--cold-open must be one of whole, stream", status=2)
     r = run_ckptfs("mount", f"s3://{BUCKET}/x")
     assert_one_line_failure(r, "needs a mount point", status=2)
     r = run_ckptfs("mount", f"s3://{BUCKET}/x", str(tmp_path), "--no-such-flag")

@@ -83,6 +83,8 @@ class Operations:
     # grants it, the writeback cache stays off. Backing files may sit on at most
     # `passthrough_stack_depth` stacked file systems (0: none, e.g. not on overlayfs).
     enable_passthrough: bool = False
+    # ckptfs: the max_read mount option given to pyfuse3.init, if any (0: none).
+    max_read: int = 0
     passthrough_stack_depth: int = 0
     enable_acl: bool = False
 

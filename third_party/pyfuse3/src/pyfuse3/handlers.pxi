@@ -47,9 +47,11 @@ cdef void fuse_init (void *userdata, fuse_conn_info *conn):
     if (operations.enable_writeback_cache and not passthrough_negotiated and
         conn.capable & FUSE_CAP_WRITEBACK_CACHE):
         conn.want |= FUSE_CAP_WRITEBACK_CACHE
-    # ckptfs: FileSlice replies (fuse_reply_data) are spliced from the file to /dev/fuse.
+    # ckptfs: FileSlice replies (fuse_reply_data) are spliced from the file to /dev/fuse; a
+    # max_read mount option must be repeated here (libfuse checks that they agree).
     if conn.capable & FUSE_CAP_SPLICE_WRITE:
         conn.want |= FUSE_CAP_SPLICE_WRITE
+    conn.max_read = getattr(operations, 'max_read', 0)
     if (operations.enable_acl and
         conn.capable & FUSE_CAP_POSIX_ACL):
         conn.want |= FUSE_CAP_POSIX_ACL
