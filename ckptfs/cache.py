@@ -4,9 +4,9 @@ Entries live in CACHE_DIR/cache/ as plain files named `<hash(key)>-<hash(etag)>-
 `all` is a whole object (a written file whose upload finished is moved in here, so reading
 it back costs no GET, or an object fetched whole), `partial` an object being fetched into
 its own file (each chunk at its offset; which chunks are in is known in memory only, so a
-partial file does not outlive its mount), a number is one chunk fetched from S3. Because the ETag is in the
-name, an entry can only ever answer for the exact version it holds; when a new version of
-a key is cached the entries of the old one are deleted. The index is rebuilt from the
+partial file does not outlive its mount), a number is one chunk fetched from S3. Because
+the ETag is in the name, an entry can only ever answer for the exact version it holds;
+when a new version of a key is cached the entries of the old one are deleted. The index is rebuilt from the
 directory at mount (oldest mtime evicted first), so the cache survives a remount.
 
 Only clean bytes live here: staged files not yet in S3 stay in the staging dir and are

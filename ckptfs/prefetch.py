@@ -189,8 +189,9 @@ class ChunkReader:
     async def fetch_whole(self, key: str, etag: str, size: int, gets: int = 16,
                           per_get: int = 8) -> bool:
         """Fetch every chunk of the object not local yet into its own cache file, `gets` GETs of
-        up to get_chunks chunks at once: at full speed, not a reader's pace. True once the
-        object is whole in the cache (then a passthrough open's backing file)."""
+        up to `per_get` chunks in flight: at full speed, not a reader's pace. True once the
+        object is whole in the cache (then a passthrough open's backing file). A chunk a
+        reader fetches into a buffer (no room in the cache) leaves it not whole: False."""
         cache = self.cache
         if cache is None or self.whole is None or not self.whole.enabled:
             return False

@@ -190,7 +190,11 @@ async def streaming(tmp_path: Path, s3: FakeS3, nursery: trio.Nursery, key: str,
     staged.pwrite(data, 0)
     up = FileUpload(journal_name=os.path.basename(staged.path))
     uploader.note_write(up, staged.path, lambda: key, dict, 0, len(data))
-    await trio.sleep(0.1)  # parts 1 and 2 stream; their create waits
+    # Parts 1 and 2 stream; their create waits, its intent journaled first. (A fixed 0.1 s
+    # sleep here failed once in a full run on this 2-core machine: no record yet.)
+    with trio.fail_after(10):
+        while not records(tmp_path):
+            await trio.sleep(0.01)
     return log, staged, up
 
 
