@@ -306,7 +306,7 @@ class ObjectCache:
             rfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             os.close(wfd)
-            _unlink(path)
+            unlink_quietly(path)
             return None
         partial = self._partial[name] = Partial(name, path, size, wfd, rfd)
         self._add(name, 0)
@@ -380,7 +380,8 @@ class Partial:
                 pass
 
 
-def _unlink(path: str) -> None:
+def unlink_quietly(path: str) -> None:
+    """Remove a cache file that may already be gone."""
     try:
         os.unlink(path)
     except OSError:

@@ -10,7 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ckptfs.cache import ObjectCache, Partial
+from ckptfs.cache import ObjectCache, Partial, unlink_quietly
 from ckptfs.errors import LocalWriteError
 
 log = logging.getLogger(__name__)
@@ -58,19 +58,13 @@ def close_landing(cache: ObjectCache, landing: Landing, cid: ChunkId, length: in
     if landing.partial is not None:  # the object's own file: the chunk is there now
         return whole and cache.chunk_received(landing.partial, k, landing.chunks, length)
     if not whole:
-        _unlink(landing.tmp)
+        unlink_quietly(landing.tmp)
         return False
     try:
         cache.commit_chunk(key, etag, landing.name, landing.tmp, length)
         return True
     except OSError as exc:  # its readers fetch it again, into a buffer
         log.debug("could not cache chunk %d of %s: %s", k, key, exc)
-        _unlink(landing.tmp)
+        unlink_quietly(landing.tmp)
         return False
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

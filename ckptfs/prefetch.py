@@ -45,7 +45,7 @@ import trio
 from ckptfs.assembly import WholeObjects
 from ckptfs.broadcast import Broadcast
 from ckptfs.bucket import Bucket
-from ckptfs.cache import ObjectCache
+from ckptfs.cache import ObjectCache, unlink_quietly
 from ckptfs.errors import LocalWriteError, S3Error
 from ckptfs.handles import ReadStream
 from ckptfs.landing import Landing, close_landing, open_landings
@@ -477,7 +477,7 @@ class ChunkReader:
             self._chunk_stored(key, etag)
         except OSError as exc:  # a full cache disk only costs a later GET
             log.debug("could not cache chunk %d of %s: %s", k, key, exc)
-            _unlink(tmp)
+            unlink_quietly(tmp)
         finally:
             self._unuse(chunk)
             self._writes -= 1
@@ -491,9 +491,3 @@ class ChunkReader:
             while self._writes:
                 await self._written.wait()
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
